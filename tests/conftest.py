@@ -1,0 +1,27 @@
+"""Test-wide setup: the Triton interpreter on machines without a GPU, and the `gpu` marker.
+
+TRITON_INTERPRET must be set before triton is first imported, so this runs at the very top.
+"""
+
+import os
+
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+# Ray on one machine: loopback only, no telemetry, no auth prompts (DESIGN.md section 8).
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
+import pytest  # noqa: E402
+
+
+def pytest_collection_modifyitems(config, items):
+    if HAS_CUDA:
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
