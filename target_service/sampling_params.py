@@ -1,0 +1,55 @@
+"""`SamplingParams`: how one request samples and when it stops (shaped like vLLM's)."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+GREEDY_EPSILON = 1e-5
+
+
+class SamplingParams(BaseModel):
+    """Validated per-request sampling settings; unknown fields are refused, not dropped.
+
+    temperature 0 is greedy (argmax). top_k -1 and top_p 1.0 switch those filters off. `seed` makes a
+    sampled request reproducible whatever else is in the batch.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_tokens: int = Field(16, ge=1)
+    temperature: float = Field(1.0, ge=0.0, allow_inf_nan=False)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = -1
+    stop: list[str] = Field(default_factory=list)
+    stop_token_ids: list[int] = Field(default_factory=list)
+    ignore_eos: bool = False
+    seed: int | None = None
+
+    def __init__(self, max_tokens: int = 16, **fields):
+        super().__init__(max_tokens=max_tokens, **fields)
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k(cls, value: int) -> int:
+        if value != -1 and value < 1:
+            raise ValueError(f"top_k must be -1 (off) or >= 1, got {value}")
+        return value
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop(cls, value):
+        if value is None:
+            return []
+        value = [value] if isinstance(value, str) else value
+        if any(not isinstance(text, str) or not text for text in value):
+            raise ValueError("stop must be a non-empty string or a list of non-empty strings")
+        return value
+
+    @field_validator("stop_token_ids", mode="before")
+    @classmethod
+    def _stop_token_ids(cls, value):
+        return [] if value is None else value
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_EPSILON
