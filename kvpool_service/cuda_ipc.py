@@ -13,11 +13,15 @@ writes need the caller's own ordering (a stream synchronise before signalling th
 
 from __future__ import annotations
 
+import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
+
+logger = logging.getLogger(__name__)
 
 _DEVICE_ARG = 6  # index of storage_device in rebuild_cuda_tensor's arguments
 _NUM_ARGS = 15
@@ -51,6 +55,10 @@ def export_buffer(buffer: torch.Tensor) -> CudaIpcHandle:
     """Handle to `buffer` (a CUDA tensor the caller keeps alive while others are attached)."""
     if buffer.device.type != "cuda":
         raise ValueError(f"CUDA IPC exports CUDA tensors, got a tensor on {buffer.device}")
+    alloc_conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + os.environ.get("PYTORCH_ALLOC_CONF", "")
+    if "expandable_segments:true" in alloc_conf.replace(" ", "").lower():
+        # legacy cudaIpcGetMemHandle rejects VMM (expandable) memory; torch's fd-based path has open bugs
+        logger.warning("exporting a CUDA pool with expandable_segments on; turn it off for the pool process")
     rebuild, args = reduce_tensor(buffer.detach())
     if rebuild is not rebuild_cuda_tensor or len(args) != _NUM_ARGS:
         raise RuntimeError(
