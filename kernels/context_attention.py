@@ -1,11 +1,337 @@
-"""SCAFFOLD (replaced by the Triton implementation): dispatches to the reference only."""
+"""DFlash draft cross-attention: the noise block attends over paged context plus the dense noise.
 
-from kernels import reference
+Per request b and KV head h, the Q noise queries of the group's heads (R = Q x group rows,
+padded to a power of two >= 16) attend, with ONE softmax and no mask, over the ctx_lens[b]
+context keys stored in the pool's pages and the Q noise keys, which are never stored. The rows
+are packed into one tile so every K/V tile is read once per KV head.
+
+Two paths over one kernel:
+- split (small batches): grid (NKV, B, max_splits); each request takes a length-aware number of
+  splits decided on the device (`kernels.split_kv`); split 0 also folds the noise suffix, so its
+  partial state always holds at least Q keys; a merge kernel folds the partials into the output.
+- single pass (the batch alone fills the GPU): grid (NKV, B); context then noise, output direct.
+The grid depends on B only, and the split count is a runtime argument: a CUDA graph captured
+once replays for any context lengths, and a new batch size does not recompile.
+
+Scores live in log2 units (scale * log2(e) folded into one multiplier) so the softmax uses exp2.
+fp8 context: k_scale joins the score multiplier of the context keys, v_scale multiplies the
+probabilities of the context values (the noise keys and values are not scaled).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels import reference, split_kv
 from kernels.dispatch import resolve_backend
+from kernels.split_kv import finalize_state, merge_partial_tile, num_splits_for, split_bounds
+from kernels.validation import (
+    ACTIVATION_DTYPES,
+    FP8,
+    check_cache_pair,
+    check_index_tensor,
+    check_rank,
+    check_same_device,
+    check_scale,
+    scale_argument,
+)
+
+LOG2E = 1.4426950408889634
 
 
-def paged_context_attention(*args, backend="auto", **kwargs):
-    device = args[0].device
-    if resolve_backend(backend, device) == "torch":
-        return reference.paged_context_attention(*args, **kwargs)
-    raise NotImplementedError("Triton paged_context_attention is not written yet")
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Tile and warp choices of one launch (tuned on an H200; the bench sweeps them)."""
+
+    block_n: int = 64  # context keys per tile
+    num_warps: int = 4
+    num_stages: int = 3
+    merge_rows: int = 16  # rows x columns of one merge program
+    merge_cols: int = 32
+
+
+def default_config(rows_pad: int, device: torch.device) -> LaunchConfig:
+    if device.type != "cuda":  # the interpreter: small tiles run faster in numpy
+        return LaunchConfig(block_n=32, num_warps=4, num_stages=1)
+    if rows_pad >= 128:  # a 128 x D fp32 accumulator wants 8 warps' registers
+        return LaunchConfig(block_n=64, num_warps=8, num_stages=2)
+    return LaunchConfig()
+
+
+@triton.jit
+def _attend_tile(q, k, v, valid, acc, m_i, l_i, score_scale, v_scale,
+                 HAS_V_SCALE: tl.constexpr, COMPUTE: tl.constexpr, PRECISION: tl.constexpr):
+    # q [ROWS, D], k/v [N, D] in COMPUTE; valid [N]; scores in log2 units: s = q.k * score_scale
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * score_scale
+    s = tl.where(valid[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every tile holds at least one valid key
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if HAS_V_SCALE:  # dequantised values: sum_j p_j (v_scale v_j) = sum_j (p_j v_scale) v_j
+        p = p * v_scale
+    acc = acc * alpha[:, None] + tl.dot(p.to(COMPUTE), v, input_precision=PRECISION)
+    return acc, m_new, l_i
+
+
+@triton.jit(do_not_specialize=["max_splits"])
+def _context_attention_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, ctx_lens_ptr, k_noise_ptr, v_noise_ptr,
+    out_ptr, part_acc_ptr, part_lse_ptr, k_scale, v_scale, sm_scale_log2,
+    num_q, max_splits, min_tokens_per_split,
+    stride_qb, stride_qq, stride_qh, stride_qd,
+    stride_kb, stride_kt, stride_kh, stride_kd,
+    stride_vb, stride_vt, stride_vh, stride_vd,
+    stride_bt,
+    stride_nkb, stride_nkq, stride_nkh, stride_nkd,
+    stride_nvb, stride_nvq, stride_nvh, stride_nvd,
+    stride_ob, stride_oq, stride_oh, stride_od,
+    stride_pr, stride_ps, stride_lr, stride_ls,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, TOKENS_PER_BLOCK: tl.constexpr,
+    ROWS: tl.constexpr, NOISE_PAD: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+    K_SCALE_MODE: tl.constexpr, V_SCALE_MODE: tl.constexpr,
+    COMPUTE: tl.constexpr, PRECISION: tl.constexpr,
+):
+    kvh = tl.program_id(0)
+    b = tl.program_id(1)
+    split = tl.program_id(2)
+    # row r of the tile is query position r // GROUP of head kvh * GROUP + r % GROUP
+    rows = tl.arange(0, ROWS)
+    dims = tl.arange(0, HEAD_DIM)
+    row_mask = rows < num_q * GROUP
+    heads = kvh * GROUP + rows % GROUP
+    qpos = rows // GROUP
+    ctx_len = tl.load(ctx_lens_ptr + b)
+    if SPLIT:
+        count = num_splits_for(ctx_len, max_splits, min_tokens_per_split)
+        # a split past the count gets start >= ctx_len (an empty range); it reads and writes nothing
+        start, end = split_bounds(ctx_len, split, count, BLOCK_N)
+        active = (tl.zeros([ROWS], dtype=tl.int32) + split) < count  # [ROWS], one value
+    else:
+        start = 0
+        end = ctx_len
+        active = rows >= 0
+
+    b64 = b.to(tl.int64)
+    q_offs = (b64 * stride_qb + qpos[:, None] * stride_qq + heads[:, None] * stride_qh
+              + dims[None, :] * stride_qd)
+    q = tl.load(q_ptr + q_offs, mask=(row_mask & active)[:, None], other=0.0).to(COMPUTE)
+    acc = tl.zeros([ROWS, HEAD_DIM], dtype=tl.float32)
+    m_i = tl.full([ROWS], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([ROWS], dtype=tl.float32)
+
+    if K_SCALE_MODE == 2:
+        ctx_scale = sm_scale_log2 * tl.load(k_scale).to(tl.float32)
+    else:
+        ctx_scale = sm_scale_log2 * k_scale
+    if V_SCALE_MODE == 2:
+        ctx_v_scale = tl.load(v_scale).to(tl.float32)
+    else:
+        ctx_v_scale = v_scale
+
+    # context: keys [start, end) through the block table; k_cache [blocks, TOKENS_PER_BLOCK, NKV, D]
+    table = block_table_ptr + b64 * stride_bt
+    k_head = k_cache_ptr + kvh * stride_kh + dims[None, :] * stride_kd
+    v_head = v_cache_ptr + kvh * stride_vh + dims[None, :] * stride_vd
+    for n0 in range(start, end, BLOCK_N):
+        keys = n0 + tl.arange(0, BLOCK_N)
+        valid = keys < end
+        page = tl.load(table + keys // TOKENS_PER_BLOCK, mask=valid, other=0).to(tl.int64)
+        slot = keys % TOKENS_PER_BLOCK
+        k = tl.load(k_head + (page * stride_kb + slot * stride_kt)[:, None], mask=valid[:, None], other=0.0)
+        v = tl.load(v_head + (page * stride_vb + slot * stride_vt)[:, None], mask=valid[:, None], other=0.0)
+        acc, m_i, l_i = _attend_tile(q, k.to(COMPUTE), v.to(COMPUTE), valid, acc, m_i, l_i, ctx_scale,
+                                     ctx_v_scale, V_SCALE_MODE != 0, COMPUTE, PRECISION)
+
+    # noise suffix: all Q dense keys, folded once per request and head (by split 0)
+    if split == 0:
+        js = tl.arange(0, NOISE_PAD)
+        j_mask = js < num_q
+        kn = tl.load(k_noise_ptr + b64 * stride_nkb + js[:, None] * stride_nkq + kvh * stride_nkh
+                     + dims[None, :] * stride_nkd, mask=j_mask[:, None], other=0.0)
+        vn = tl.load(v_noise_ptr + b64 * stride_nvb + js[:, None] * stride_nvq + kvh * stride_nvh
+                     + dims[None, :] * stride_nvd, mask=j_mask[:, None], other=0.0)
+        acc, m_i, l_i = _attend_tile(q, kn.to(COMPUTE), vn.to(COMPUTE), j_mask, acc, m_i, l_i,
+                                     sm_scale_log2, 1.0, False, COMPUTE, PRECISION)
+
+    if SPLIT:
+        state, lse = finalize_state(acc, m_i, l_i)
+        prow = ((b64 * tl.num_programs(0) + kvh) * ROWS + rows).to(tl.int64)
+        tl.store(part_acc_ptr + prow[:, None] * stride_pr + split * stride_ps + dims[None, :], state,
+                 mask=active[:, None])
+        tl.store(part_lse_ptr + prow * stride_lr + split * stride_ls, lse, mask=active)
+    else:
+        out = acc / l_i[:, None]  # l_i >= 1: the noise keys are always there
+        o_offs = (b64 * stride_ob + qpos[:, None] * stride_oq + heads[:, None] * stride_oh
+                  + dims[None, :] * stride_od)
+        tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
+
+
+@triton.jit(do_not_specialize=["max_splits"])
+def _context_merge_kernel(
+    part_acc_ptr, part_lse_ptr, ctx_lens_ptr, out_ptr,
+    num_q, max_splits, min_tokens_per_split,
+    stride_pr, stride_ps, stride_lr, stride_ls,
+    stride_ob, stride_oq, stride_oh, stride_od,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr,
+    MERGE_ROWS: tl.constexpr, MERGE_COLS: tl.constexpr,
+):
+    # grid: (ROWS / MERGE_ROWS * HEAD_DIM / MERGE_COLS, NKV, B): a [MERGE_ROWS, MERGE_COLS] tile each
+    col_blocks: tl.constexpr = HEAD_DIM // MERGE_COLS
+    kvh = tl.program_id(1)
+    b = tl.program_id(2)
+    rows = (tl.program_id(0) // col_blocks) * MERGE_ROWS + tl.arange(0, MERGE_ROWS)
+    cols = (tl.program_id(0) % col_blocks) * MERGE_COLS + tl.arange(0, MERGE_COLS)
+    row_mask = rows < num_q * GROUP
+    count = num_splits_for(tl.load(ctx_lens_ptr + b), max_splits, min_tokens_per_split)
+    prow = (b.to(tl.int64) * tl.num_programs(1) + kvh) * ROWS + rows
+    acc, m_i, l_i = merge_partial_tile(part_acc_ptr, part_lse_ptr, prow, row_mask, cols,
+                                       cols < HEAD_DIM, stride_pr, stride_ps, stride_lr, stride_ls, count)
+    out, _ = finalize_state(acc, m_i, l_i)
+    heads = kvh * GROUP + rows % GROUP
+    o_offs = (b.to(tl.int64) * stride_ob + (rows // GROUP)[:, None] * stride_oq + heads[:, None] * stride_oh
+              + cols[None, :] * stride_od)
+    tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
+
+
+def _compute_dtype(q: torch.Tensor, cache_dtype: torch.dtype):
+    """Dot operand dtype and precision: 16-bit tensor cores on a GPU, fp32 in the interpreter."""
+    if q.device.type != "cuda" or q.dtype == torch.float32:
+        return tl.float32, "ieee"
+    del cache_dtype  # fp8 context is widened to q's 16-bit dtype before the dot
+    return (tl.bfloat16 if q.dtype == torch.bfloat16 else tl.float16), "tf32"
+
+
+def _launch_context_attention(q, k_cache, v_cache, block_table, ctx_lens, k_noise, v_noise, out,
+                              scale, k_scale, v_scale, max_splits, min_tokens, config: LaunchConfig):
+    """Grid, tiles and (on the split path) partial buffers and the merge; only launches.
+
+    Each request takes clamp(ctx_len // min_tokens, 1, max_splits) splits, decided on the device.
+    """
+    batch, num_q, num_heads, head_dim = q.shape
+    tokens_per_block, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    rows_pad = max(16, triton.next_power_of_2(num_q * group))
+    noise_pad = max(16, triton.next_power_of_2(num_q))
+    split = max_splits > 1
+    if split:
+        part_acc, part_lse = split_kv.alloc_partials(batch * num_kv_heads * rows_pad, max_splits, head_dim,
+                                                     q.device)
+    else:
+        part_acc = part_lse = out  # unused by the single-pass variant
+    k_arg, k_mode = scale_argument(k_scale)
+    v_arg, v_mode = scale_argument(v_scale)
+    compute, precision = _compute_dtype(q, k_cache.dtype)
+    _context_attention_kernel[(num_kv_heads, batch, max_splits)](
+        q, k_cache, v_cache, block_table, ctx_lens, k_noise, v_noise, out, part_acc, part_lse,
+        k_arg, v_arg, scale * LOG2E, num_q, max_splits, min_tokens,
+        *q.stride(), *k_cache.stride(), *v_cache.stride(), block_table.stride(0),
+        *k_noise.stride(), *v_noise.stride(), *out.stride(),
+        part_acc.stride(0) if split else 0, part_acc.stride(1) if split else 0,
+        part_lse.stride(0) if split else 0, part_lse.stride(1) if split else 0,
+        GROUP=group, HEAD_DIM=head_dim, TOKENS_PER_BLOCK=tokens_per_block, ROWS=rows_pad,
+        NOISE_PAD=noise_pad, BLOCK_N=config.block_n, SPLIT=split, K_SCALE_MODE=k_mode,
+        V_SCALE_MODE=v_mode, COMPUTE=compute, PRECISION=precision,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    if split:
+        merge_cols = min(config.merge_cols, head_dim)
+        grid = (rows_pad // config.merge_rows * (head_dim // merge_cols), num_kv_heads, batch)
+        _context_merge_kernel[grid](
+            part_acc, part_lse, ctx_lens, out, num_q, max_splits, min_tokens,
+            part_acc.stride(0), part_acc.stride(1), part_lse.stride(0), part_lse.stride(1), *out.stride(),
+            GROUP=group, HEAD_DIM=head_dim, ROWS=rows_pad, MERGE_ROWS=config.merge_rows,
+            MERGE_COLS=merge_cols, num_warps=4,
+        )
+    return out
+
+
+def _check_inputs(q, k_cache, v_cache, block_table, ctx_lens, k_noise, v_noise, scale, k_scale, v_scale,
+                  out):
+    check_rank(q, 4, "q", "[B, Q, NH, D]")
+    if q.dtype not in ACTIVATION_DTYPES:
+        raise ValueError(f"q must be bf16, fp16 or fp32, got {q.dtype}")
+    batch, num_q, num_heads, head_dim = q.shape
+    _, num_kv_heads, cache_dim = check_cache_pair(k_cache, v_cache)
+    if cache_dim != head_dim:
+        raise ValueError(f"q head dim {head_dim} differs from the cache head dim {cache_dim}")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"query heads NH={num_heads} must be a multiple of KV heads NKV={num_kv_heads}")
+    if num_q < 1:
+        raise ValueError("q must hold at least one query position (Q >= 1)")
+    if k_cache.dtype not in (q.dtype, FP8):
+        raise ValueError(f"cache dtype {k_cache.dtype} must equal q's ({q.dtype}) or be float8_e4m3fn")
+    noise_shape = (batch, num_q, num_kv_heads, head_dim)
+    for name, noise in (("k_noise", k_noise), ("v_noise", v_noise)):
+        check_rank(noise, 4, name, "[B, Q, NKV, D]")
+        if tuple(noise.shape) != noise_shape or noise.dtype != q.dtype:
+            raise ValueError(f"{name} must be {q.dtype} {noise_shape}, got {noise.dtype} "
+                             f"{tuple(noise.shape)}")
+    check_index_tensor(block_table, (batch, None), "block_table", "[B, max_blocks]")
+    check_index_tensor(ctx_lens, (batch,), "ctx_lens", "[B]")
+    if out is not None and (out.shape != q.shape or out.dtype != q.dtype):
+        raise ValueError(f"out must be {q.dtype} {tuple(q.shape)}, got {out.dtype} {tuple(out.shape)}")
+    check_same_device(q.device, k_cache=k_cache, v_cache=v_cache, block_table=block_table,
+                      ctx_lens=ctx_lens, k_noise=k_noise, v_noise=v_noise, out=out)
+    check_scale(k_scale, "k_scale", q.device)
+    check_scale(v_scale, "v_scale", q.device)
+    if scale is not None and not (isinstance(scale, (int, float)) and scale > 0):
+        raise ValueError(f"scale must be a positive Python number or None, got {scale!r}")
+
+
+def paged_context_attention(q, k_cache, v_cache, block_table, ctx_lens, k_noise, v_noise, *, scale=None,
+                            k_scale=None, v_scale=None, num_splits=None, out=None, backend="auto"):
+    """DFlash draft cross-attention over the paged context plus the dense noise block, one softmax.
+
+    Parameters
+    ----------
+    q : Tensor [B, Q, NH, D], bf16 / fp16 / fp32
+        The noise block's queries, after q_norm and RoPE. NH = group x NKV (GQA).
+    k_cache, v_cache : Tensor [num_blocks, tokens_per_block, NKV, D], any strides
+        Layer views of a pool arena: q's dtype, or float8_e4m3fn with `k_scale` / `v_scale`.
+        tokens_per_block and D are powers of two >= 16.
+    block_table : Tensor [B, max_blocks], int32
+        Block ids of each request; position p lives at (block_table[b, p // tpb], p % tpb).
+    ctx_lens : Tensor [B], int32, on q's device
+        Context positions 0..ctx_lens[b]-1 of each request are attended; 0 is allowed. Not read
+        on the host (graph safe); each must fit its block table row.
+    k_noise, v_noise : Tensor [B, Q, NKV, D], q's dtype
+        The noise block's own keys and values, attended densely and never stored.
+    scale : float, optional
+        Softmax scale, D ** -0.5 by default.
+    k_scale, v_scale : float or 0-d tensor, optional
+        Dequantisation scales of the cache (value = stored x scale); None means 1.
+    num_splits : int, optional
+        Forces the split grid (1 = the single-pass kernel); by default chosen from B x NKV.
+    out : Tensor [B, Q, NH, D], q's dtype, optional
+        Written in place and returned.
+    backend : "auto" | "triton" | "torch"
+        See `kernels.dispatch`.
+
+    Returns
+    -------
+    Tensor [B, Q, NH, D] in q's dtype: every query row attends over all ctx_lens[b] context
+    keys and all Q noise keys of its KV head, with no mask.
+    """
+    _check_inputs(q, k_cache, v_cache, block_table, ctx_lens, k_noise, v_noise, scale, k_scale, v_scale, out)
+    batch, num_q, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    max_splits = split_kv.plan_max_splits(max(batch, 1) * num_kv_heads, q.device, num_splits)
+    scale = head_dim**-0.5 if scale is None else float(scale)
+    if resolve_backend(backend, q.device) == "torch":
+        return reference.paged_context_attention(
+            q, k_cache, v_cache, block_table, ctx_lens, k_noise, v_noise, scale=scale, k_scale=k_scale,
+            v_scale=v_scale, out=out)
+    out = torch.empty_like(q) if out is None else out
+    if batch == 0:
+        return out
+    rows_pad = max(16, triton.next_power_of_2(num_q * (num_heads // num_kv_heads)))
+    # a forced count splits every context into exactly that many (some empty when short)
+    min_tokens = 1 if num_splits is not None else split_kv.min_tokens_per_split(rows_pad)
+    return _launch_context_attention(q, k_cache, v_cache, block_table, ctx_lens, k_noise, v_noise, out,
+                                     scale, k_scale, v_scale, max_splits, min_tokens,
+                                     default_config(rows_pad, q.device))
