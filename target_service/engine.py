@@ -1,0 +1,218 @@
+"""LLMEngine: the speculative step (reserve, propose, verify, accept, commit, store context).
+
+One step runs every scheduled sequence through ONE target forward: prefill chunks and verify
+blocks packed together. Decoding sequences first get K drafts from the drafter (context from the
+pages, positions n..n+K for a sequence with n committed tokens); the target verifies
+[bonus, d1..dK]; the longest agreeing prefix plus one target token is emitted; the taps of the
+accepted rows (and of every prefill row) become draft context at their own positions.
+
+The pool, the drafter and the target sit behind the interfaces the three services use (the pool's
+batched verbs, DraftWorker, the target's forward), so splitting them into processes changes
+nothing here.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from target_service.forward_batch import PAD_SLOT, SeqChunk, pack
+from target_service.outputs import SpecDecodeStats
+from target_service.sampling import accept_drafts, choose_tokens
+from target_service.sampling_params import SamplingParams
+from target_service.scheduler import DecodeWork, PrefillChunk, Scheduler, SchedulerOutput
+from target_service.sequence import Sequence
+from target_service.stop_checker import StopChecker
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _Rows:
+    """Where one sequence's rows landed in the packed forward."""
+
+    logits: slice
+    taps: slice
+
+
+class LLMEngine:
+    def __init__(self, target, target_caches, scheduler: Scheduler, *, tokens_per_block: int,
+                 num_blocks: int, drafter=None, stop_checker: StopChecker, seed: int | None = None):
+        self.target = target
+        self.num_blocks = num_blocks
+        self.target_caches = target_caches
+        self.scheduler = scheduler
+        self.tokens_per_block = tokens_per_block
+        self.drafter = drafter
+        self.stop_checker = stop_checker
+        self.device = target.embed_weight.device
+        self.generator = torch.Generator(self.device)
+        self.generator.manual_seed(seed if seed is not None else torch.seed())
+        self.stats = SpecDecodeStats()
+        self._next_seq_id = 0
+        self._num_requests = 0
+        self.sequences: dict[str, Sequence] = {}
+
+    # ---- requests -------------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Sequence:
+        if request_id in self.sequences:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self.check_prompt(prompt_token_ids)
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(self.device)
+            generator.manual_seed(params.seed)
+        seq = Sequence(request_id, self._next_seq_id, list(prompt_token_ids), params, self._num_requests,
+                       generator)
+        self._next_seq_id += 1
+        self._num_requests += 1
+        self.sequences[request_id] = seq
+        self.scheduler.add(seq)
+        return seq
+
+    def check_prompt(self, prompt_token_ids: list[int]) -> None:
+        """Refuse, at submission, a prompt that could never run (not mid-flight)."""
+        count, vocab = len(prompt_token_ids), self.target.config.vocab_size
+        if count == 0:
+            raise ValueError("the prompt is empty; at least one token is needed")
+        bad = [token for token in prompt_token_ids if not 0 <= token < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary 0..{vocab - 1}")
+        max_model_len = self.scheduler.max_model_len
+        if count >= max_model_len:
+            raise ValueError(f"the prompt has {count} tokens; max_model_len is {max_model_len} and one "
+                             "position is needed for the first generated token")
+        needed = -(-max_model_len // self.tokens_per_block)
+        if -(-count // self.tokens_per_block) > self.num_blocks:
+            raise ValueError(f"the prompt needs {-(-count // self.tokens_per_block)} blocks; the pool has "
+                             f"{self.num_blocks} (max_model_len {max_model_len} needs {needed})")
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    # ---- the step -------------------------------------------------------------------------------
+
+    def step(self) -> list[Sequence]:
+        """Run one step; return the sequences that finished in it."""
+        plan = self.scheduler.schedule()
+        if plan.is_empty:
+            raise RuntimeError("the scheduler found no work although requests are waiting")
+        drafts = self._propose(plan.decodes)
+        chunks, rows = self._chunks(plan, drafts)
+        output = self.target(pack(chunks, self.tokens_per_block, self.device), self.target_caches)
+        context_rows = [self._accept(work, drafts.get(work.seq.seq_id), output, rows[work.seq.seq_id])
+                        for work in plan.decodes]
+        context_rows += [self._finish_prefill(chunk, output, rows[chunk.seq.seq_id])
+                         for chunk in plan.prefills]
+        self._store_context(output.taps, context_rows)
+        scheduled = _scheduled(plan)
+        self.scheduler.commit([seq for seq in scheduled if not seq.finish_reason])
+        finished = [seq for seq in scheduled if seq.finish_reason]
+        self.scheduler.finish(finished)
+        return finished
+
+    def _propose(self, decodes: list[DecodeWork]) -> dict[int, list[int]]:
+        """K drafts per decoding sequence, from one drafter call (K = the largest asked for)."""
+        drafting = [work for work in decodes if work.num_draft > 0]
+        if self.drafter is None or not drafting:
+            return {}
+        num_draft = max(work.num_draft for work in drafting)
+        seqs = [work.seq for work in drafting]
+        max_blocks = max(len(seq.block_ids) for seq in seqs)
+        table = torch.tensor([seq.block_ids + [0] * (max_blocks - len(seq.block_ids)) for seq in seqs],
+                             dtype=torch.int32, device=self.device)
+        tokens = self.drafter.propose(
+            bonus_tokens=self._tensor([seq.bonus_token for seq in seqs]),
+            start_positions=self._tensor([seq.num_computed for seq in seqs]),
+            seq_slots=self._tensor([seq.slot for seq in seqs]),
+            target_block_table=table, num_speculative_tokens=num_draft,
+        ).tolist()
+        return {work.seq.seq_id: row[: work.num_draft] for work, row in zip(drafting, tokens)}
+
+    def _chunks(self, plan: SchedulerOutput, drafts: dict[int, list[int]]):
+        """The packed forward's chunks, and where each sequence's logits and tap rows land."""
+        taps = self.drafter is not None
+        chunks, rows, logit_row, tap_row = [], {}, 0, 0
+        for work in plan.decodes:
+            seq = work.seq
+            tokens = [seq.bonus_token, *drafts.get(seq.seq_id, [])]
+            chunks.append(SeqChunk(tokens, seq.num_computed, seq.block_ids, len(tokens), len(tokens) * taps))
+        for chunk in plan.prefills:
+            seq = chunk.seq
+            tokens = seq.token_ids[chunk.start: chunk.start + chunk.num_tokens]
+            wants_logits = int(chunk.is_last and not seq.output_token_ids)
+            chunks.append(SeqChunk(tokens, chunk.start, seq.block_ids, wants_logits, len(tokens) * taps))
+        for chunk, seq in zip(chunks, _scheduled(plan)):
+            rows[seq.seq_id] = _Rows(slice(logit_row, logit_row + chunk.num_logits),
+                                     slice(tap_row, tap_row + chunk.num_taps))
+            logit_row += chunk.num_logits
+            tap_row += chunk.num_taps
+        return chunks, rows
+
+    def _accept(self, work: DecodeWork, drafts: list[int] | None, output, rows: _Rows):
+        """Verify one sequence's drafts; emit tokens; return its (seq, positions, taps kept) rows."""
+        seq, drafts = work.seq, drafts or []
+        target_tokens = choose_tokens(output.logits[rows.logits], seq.params, self._generator(seq))
+        accepted, emitted = accept_drafts(torch.tensor(drafts, dtype=torch.long, device=self.device),
+                                          target_tokens)
+        self.stats.record(len(drafts), accepted)
+        seq.num_drafts += bool(drafts)
+        seq.num_draft_tokens += len(drafts)
+        seq.num_accepted_tokens += accepted
+        start = seq.num_computed
+        seq.num_computed = start + accepted + 1  # the bonus and the accepted drafts are now committed
+        self._emit(seq, emitted)
+        # context rows: the bonus and accepted drafts (positions start..start+accepted); rest skipped
+        return seq, start, rows.taps, accepted + 1
+
+    def _finish_prefill(self, chunk: PrefillChunk, output, rows: _Rows):
+        seq = chunk.seq
+        seq.num_computed = chunk.start + chunk.num_tokens
+        if chunk.is_last and not seq.output_token_ids:
+            token = choose_tokens(output.logits[rows.logits], seq.params, self._generator(seq))
+            self._emit(seq, token.tolist())
+        return seq, chunk.start, rows.taps, chunk.num_tokens
+
+    def _store_context(self, taps: torch.Tensor, context_rows) -> None:
+        """One drafter call: every tap row of the step, rows past an accepted prefix skipped."""
+        if self.drafter is None or taps.shape[0] == 0:
+            return
+        positions = torch.zeros(taps.shape[0], dtype=torch.long)
+        seq_slots = torch.zeros(taps.shape[0], dtype=torch.long)
+        slots = torch.full((taps.shape[0],), PAD_SLOT, dtype=torch.long)
+        tpb = self.tokens_per_block
+        for seq, start, tap_rows, keep in context_rows:
+            count = tap_rows.stop - tap_rows.start
+            pos = torch.arange(start, start + count)
+            blocks = torch.tensor(seq.block_ids, dtype=torch.long)
+            target_slots = blocks[(pos // tpb).clamp(max=len(seq.block_ids) - 1)] * tpb + pos % tpb
+            target_slots[keep:] = PAD_SLOT
+            positions[tap_rows], seq_slots[tap_rows], slots[tap_rows] = pos, seq.slot, target_slots
+        self.drafter.store_context(taps, positions.to(self.device), seq_slots.to(self.device),
+                                   slots.to(self.device))
+
+    # ---- helpers --------------------------------------------------------------------------------
+
+    def _emit(self, seq: Sequence, tokens: list[int]) -> None:
+        """Append emitted tokens one by one until a stop condition ends the request."""
+        for token in tokens:
+            seq.output_token_ids.append(token)
+            reason = self.stop_checker.check(seq, self.scheduler.max_model_len)
+            if reason:
+                seq.finish_reason = reason
+                return
+
+    def _generator(self, seq: Sequence) -> torch.Generator:
+        return seq.generator if seq.generator is not None else self.generator
+
+    def _tensor(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=self.device)
+
+
+def _scheduled(plan: SchedulerOutput) -> list[Sequence]:
+    """Sequences in the packed order: verify blocks first, then prefill chunks."""
+    return [work.seq for work in plan.decodes] + [chunk.seq for chunk in plan.prefills]

@@ -1,0 +1,99 @@
+"""`LLM`: the offline API, shaped like vLLM's (`LLM(...).generate(prompts, params)`)."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence as Seq
+
+from target_service.engine_builder import EngineArgs, build_engine
+from target_service.outputs import CompletionOutput, RequestOutput, SpecDecodeStats
+from target_service.sampling_params import SamplingParams
+from target_service.sequence import Sequence
+
+
+class LLM:
+    """A target (and optionally a DFlash drafter) served in this process.
+
+    Without a drafter it decodes plainly. `context_storage="dense"` reserves the draft context up
+    front per slot (the baseline) instead of paging it in the pool.
+    """
+
+    def __init__(self, target: str, drafter: str | None = None, *, num_speculative_tokens: int | None = None,
+                 context_storage: str = "paged", dtype: str | None = None, device: str | None = None,
+                 max_model_len: int | None = None, max_num_seqs: int = 256, kv_cache_memory=None,
+                 gpu_memory_utilization: float = 0.9, tokens_per_block: int = 32,
+                 enable_prefix_caching: bool = True, seed: int | None = None,
+                 max_num_batched_tokens: int = 2048):
+        self.args = EngineArgs(
+            target=str(target), drafter=None if drafter is None else str(drafter),
+            num_speculative_tokens=num_speculative_tokens, context_storage=context_storage, dtype=dtype,
+            device=device, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+            kv_cache_memory=kv_cache_memory, gpu_memory_utilization=gpu_memory_utilization,
+            tokens_per_block=tokens_per_block, enable_prefix_caching=enable_prefix_caching, seed=seed,
+            max_num_batched_tokens=max_num_batched_tokens,
+        )
+        self.engine, self.tokenizer, self.memory = build_engine(self.args)
+        self._ids = itertools.count()
+
+    @property
+    def stats(self) -> SpecDecodeStats:
+        """Engine-wide speculative counters (num_drafts, ..., accepted per position)."""
+        return self.engine.stats
+
+    def generate(self, prompts, params: SamplingParams | Seq[SamplingParams] | None = None
+                 ) -> list[RequestOutput]:
+        """Run prompts (strings, or lists of token ids) to completion; outputs in prompt order."""
+        prompts = self._as_list(prompts)
+        params = self._params_for(prompts, params)
+        encoded = [self._encode(prompt) for prompt in prompts]
+        for ids in encoded:  # refuse the whole call before anything runs
+            self.engine.check_prompt(ids)
+        seqs = [self.engine.add_request(f"req-{next(self._ids)}", ids, p) for ids, p in zip(encoded, params)]
+        while self.engine.has_unfinished:
+            self.engine.step()
+        outputs = [self._output(prompt, seq) for prompt, seq in zip(prompts, seqs)]
+        for seq in seqs:
+            del self.engine.sequences[seq.request_id]
+        return outputs
+
+    def close(self) -> None:
+        self.memory.close()
+
+    # ---- helpers --------------------------------------------------------------------------------
+
+    @staticmethod
+    def _as_list(prompts) -> list:
+        single_ids = isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        if isinstance(prompts, str) or single_ids:
+            return [prompts]
+        prompts = list(prompts)
+        if not prompts:
+            raise ValueError("generate needs at least one prompt")
+        return prompts
+
+    @staticmethod
+    def _params_for(prompts: list, params) -> list[SamplingParams]:
+        if params is None:
+            return [SamplingParams()] * len(prompts)
+        if isinstance(params, SamplingParams):
+            return [params] * len(prompts)
+        params = list(params)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts; give one or one each")
+        return params
+
+    def _encode(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this checkpoint has no tokenizer.json: give prompts as lists of token ids")
+            return self.tokenizer.encode(prompt).ids
+        if not all(isinstance(token, int) for token in prompt):
+            raise ValueError("a prompt is a string or a list of int token ids")
+        return list(prompt)
+
+    def _output(self, prompt, seq: Sequence) -> RequestOutput:
+        stats = SpecDecodeStats(seq.num_drafts, seq.num_draft_tokens, seq.num_accepted_tokens)
+        text = self.engine.stop_checker.output_text(seq)
+        completion = CompletionOutput(0, text, list(seq.output_token_ids), seq.finish_reason)
+        return RequestOutput(seq.request_id, prompt if isinstance(prompt, str) else None,
+                             list(seq.prompt_token_ids), [completion], seq.is_finished, stats)

@@ -1,0 +1,60 @@
+"""What generation returns, shaped like vLLM's `RequestOutput`, plus speculative-decoding stats."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None  # "stop" (EOS, stop token or stop string) or "length"
+
+
+@dataclass
+class SpecDecodeStats:
+    """Per request or engine-wide; mean acceptance length = 1 + accepted / drafts."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    def record(self, num_draft: int, num_accepted: int) -> None:
+        if num_draft == 0:
+            return
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft
+        self.num_accepted_tokens += num_accepted
+        if len(self.accepted_per_position) < num_draft:
+            self.accepted_per_position += [0] * (num_draft - len(self.accepted_per_position))
+        for position in range(num_accepted):
+            self.accepted_per_position[position] += 1
+
+    def as_dict(self) -> dict:
+        return {
+            "num_drafts": self.num_drafts, "num_draft_tokens": self.num_draft_tokens,
+            "num_accepted_tokens": self.num_accepted_tokens,
+            "accepted_per_position": list(self.accepted_per_position),
+            "mean_acceptance_length": self.mean_acceptance_length,
+        }
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    spec_decode: SpecDecodeStats

@@ -1,0 +1,89 @@
+"""`Sequence`: the one object that carries a request's state through the engine.
+
+Positions and phases. Let n = `num_computed` (positions whose target K/V and draft context are
+written) and `token_ids` = prompt + output. Decoding, the newest token (the "bonus") sits at
+position n = len(token_ids) - 1 and the target has not run on it yet. Before that the sequence is
+prefilling: its first `prefill_len` tokens go through the target in chunks. A new request prefills
+the whole prompt and samples its first token from the last prompt row; a preempted one (recompute)
+prefills everything but its newest token, which becomes the bonus again, with no sampling.
+
+Who writes what:
+
+| field                                   | writer                                        |
+| --------------------------------------- | --------------------------------------------- |
+| status                                  | Scheduler                                     |
+| slot, block_ids, num_cached_tokens      | Scheduler, from the pool's open / reserve     |
+| output_token_ids, num_computed,         | Engine (after each step)                      |
+| num_pool_known_tokens, finish_reason,   |                                               |
+| num_drafts, num_draft_tokens,           |                                               |
+| num_accepted_tokens                     |                                               |
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from target_service.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    request_id: str
+    seq_id: int  # the pool's id of this sequence; unique in the engine
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival: int  # admission order: the newest running sequence is preempted first
+    generator: torch.Generator | None = None
+    status: SequenceStatus = SequenceStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    slot: int = -1
+    block_ids: list[int] = field(default_factory=list)
+    num_cached_tokens: int = 0
+    num_computed: int = 0
+    num_pool_known_tokens: int = 0  # token ids the pool has been told (for prefix hashing)
+    finish_reason: str | None = None
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_preemptions: int = 0
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def prefill_len(self) -> int:
+        """Tokens the target must see before decoding: all but the bonus, once there is one."""
+        return self.num_tokens - 1 if self.output_token_ids else self.num_tokens
+
+    @property
+    def is_prefilling(self) -> bool:
+        return self.num_computed < self.prefill_len
+
+    @property
+    def bonus_token(self) -> int:
+        return self.output_token_ids[-1]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def reset_for_recompute(self) -> None:
+        """Forget the pool state after preemption; tokens stay and are prefilled again."""
+        self.status = SequenceStatus.WAITING
+        self.slot, self.block_ids = -1, []
+        self.num_cached_tokens = self.num_computed = self.num_pool_known_tokens = 0
+        self.num_preemptions += 1
