@@ -1,0 +1,179 @@
+"""Triton kernel of the target's causal attention over paged K/V (launched by `kernels.paged_attention`).
+
+One kernel serves prefill chunks, verify blocks and decode, mixed in one launch. Its grid is
+``(q_tiles, NKV, max_splits)``:
+
+* axis 0 walks query tiles of BLOCK_Q consecutive query positions of ONE sequence. Sequence b owns
+  the tile ids ``qsl[b] // BLOCK_Q + b .. qsl[b + 1] // BLOCK_Q + b`` (qsl = query_start_loc), enough
+  for its ``cdiv(q_len, BLOCK_Q)`` tiles; a program finds its sequence by binary search and exits
+  when its tile is past the sequence's queries. ``T // BLOCK_Q + B`` tiles cover any batch, so the
+  grid depends on shapes only (CUDA-graph safe).
+* axis 1 is the KV head: the tile packs its BLOCK_Q positions x GROUP query heads into BLOCK_M rows
+  (row r = position r // GROUP, head r % GROUP), so each K/V tile is read once for the whole group.
+* axis 2 is the split of the keys (`kernels.split_kv`): one split writes the output directly;
+  several write partial states that `split_kv.merge_partials` folds.
+
+Query i of sequence b sits at ``seq_lens[b] - q_len + i`` and sees keys at positions <= its own.
+Key tiles entirely below the tile's first query position need no mask and take the fast loop;
+the few tiles on the diagonal take the masked one.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from kernels.split_kv import finalize_state, num_splits_for, split_bounds
+
+
+@triton.jit
+def _find_seq(QueryStartLoc, num_seqs, tile_id, BLOCK_Q: tl.constexpr):
+    """The sequence owning query tile `tile_id`: the last b with qsl[b] // BLOCK_Q + b <= tile_id."""
+    lo = num_seqs * 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        first_tile = tl.load(QueryStartLoc + mid) // BLOCK_Q + mid
+        below = first_tile <= tile_id
+        lo = tl.where(below, mid + 1, lo)
+        hi = tl.where(below, hi, mid)
+    return lo - 1
+
+
+@triton.jit
+def _attend_key_tile(
+    acc, m_i, l_i, q, K, V, block_row, start, end, q_pos, kv_head, qk_scale,  #
+    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,  #
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr,  #
+    TOKENS_PER_BLOCK: tl.constexpr, MASKED: tl.constexpr, DOT_DTYPE: tl.constexpr,
+):
+    """One online-softmax step over keys start..start+BLOCK_N-1 (base 2, fp32 state).
+
+    acc [BLOCK_M, D_PAD], m_i / l_i [BLOCK_M]; q [BLOCK_M, D_PAD] in DOT_DTYPE. MASKED applies
+    causality (key <= q_pos) and the range end; unmasked tiles lie wholly below every row.
+    """
+    n = start + tl.arange(0, BLOCK_N)
+    d = tl.arange(0, D_PAD)
+    d_ok = d < HEAD_DIM
+    n_ok = n < end
+    # Page of each key, then its row in that page: keys of one tile may span several pages.
+    if MASKED:
+        page = tl.load(block_row + n // TOKENS_PER_BLOCK, mask=n_ok, other=0).to(tl.int64)
+    else:
+        page = tl.load(block_row + n // TOKENS_PER_BLOCK).to(tl.int64)
+    in_page = (n % TOKENS_PER_BLOCK).to(tl.int64)
+    k_rows = page * stride_kb + in_page * stride_kt + kv_head * stride_kh  # [BLOCK_N]
+    v_rows = page * stride_vb + in_page * stride_vt + kv_head * stride_vh
+    if MASKED or D_PAD != HEAD_DIM:
+        k = tl.load(K + k_rows[None, :] + d[:, None], mask=n_ok[None, :] & d_ok[:, None], other=0.0)
+        v = tl.load(V + v_rows[:, None] + d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+    else:
+        k = tl.load(K + k_rows[None, :] + d[:, None])  # K^T tile [D_PAD, BLOCK_N]
+        v = tl.load(V + v_rows[:, None] + d[None, :])  # [BLOCK_N, D_PAD]
+    s = tl.dot(q, k.to(DOT_DTYPE)) * qk_scale  # [BLOCK_M, BLOCK_N] scores in log2 units
+    if MASKED:
+        s = tl.where((n[None, :] <= q_pos[:, None]) & n_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # A row may see no key of a diagonal tile yet (or of this split): keep 2**(-inf - -inf) out.
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_ref = m_new
+    p = tl.exp2(s - m_ref[:, None])
+    alpha = tl.exp2(m_i - m_ref)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE))
+    return acc, m_new, l_i
+
+
+@triton.jit(do_not_specialize=["num_seqs", "max_splits", "min_tokens_per_split"])
+def _paged_attention_kernel(
+    Q, K, V, Out, PartAcc, PartLse, SplitLens,  #
+    BlockTable, SeqLens, QueryStartLoc, KScale, VScale,  #
+    sm_scale, k_scale, v_scale, num_seqs, max_splits, min_tokens_per_split,  #
+    stride_qt, stride_qh,  #
+    stride_kb, stride_kt, stride_kh,  #
+    stride_vb, stride_vt, stride_vh,  #
+    stride_ot, stride_oh,  #
+    stride_acc_row, stride_acc_split, stride_lse_row, stride_lse_split,  #
+    stride_bt,  #
+    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,  #
+    BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,  #
+    TOKENS_PER_BLOCK: tl.constexpr, SCALES_ON_DEVICE: tl.constexpr, SPLIT: tl.constexpr,  #
+    DOT_DTYPE: tl.constexpr,
+):
+    tile_id = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split_id = tl.program_id(2)
+    seq = _find_seq(QueryStartLoc, num_seqs, tile_id, BLOCK_Q)
+    q_start = tl.load(QueryStartLoc + seq)
+    q_len = tl.load(QueryStartLoc + seq + 1) - q_start
+    tile_q0 = (tile_id - (q_start // BLOCK_Q + seq)) * BLOCK_Q  # first query of the tile, in seq
+    if tile_q0 >= q_len:
+        return
+    ctx_len = tl.load(SeqLens + seq) - q_len  # keys stored before this step's queries
+    tile_q1 = tl.minimum(tile_q0 + BLOCK_Q, q_len)
+    kv_end = ctx_len + tile_q1  # keys the tile's last query sees
+
+    lo = kv_end * 0
+    hi = kv_end
+    if SPLIT:
+        num_splits = num_splits_for(kv_end, max_splits, min_tokens_per_split)
+        if split_id >= num_splits:
+            return
+        lo, hi = split_bounds(kv_end, split_id, num_splits, BLOCK_N)
+        if (kv_head == 0) & (split_id == 0):
+            # The merge recomputes each row's split count from the same length.
+            tq = tl.arange(0, BLOCK_Q)
+            tl.store(SplitLens + q_start + tile_q0 + tq, kv_end + tq * 0, mask=tile_q0 + tq < q_len)
+
+    rows = tl.arange(0, BLOCK_M)
+    q_off = tile_q0 + rows // GROUP
+    head = kv_head * GROUP + rows % GROUP
+    row_ok = (rows < BLOCK_Q * GROUP) & (q_off < q_len)
+    q_pos = ctx_len + q_off
+    token = (q_start + q_off).to(tl.int64)
+    d = tl.arange(0, D_PAD)
+    d_ok = d < HEAD_DIM
+    io_mask = row_ok[:, None] & d_ok[None, :]
+    q = tl.load(Q + token[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                mask=io_mask, other=0.0).to(DOT_DTYPE)
+
+    if SCALES_ON_DEVICE:
+        k_scale = tl.load(KScale).to(tl.float32)
+        v_scale = tl.load(VScale).to(tl.float32)
+    qk_scale = sm_scale * k_scale * 1.4426950408889634  # fp8 dequant folded in; log2(e) for exp2
+    acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    block_row = BlockTable + seq.to(tl.int64) * stride_bt
+
+    # Keys below ctx_len + tile_q0 + 1 are visible to every row of the tile: no mask needed.
+    full_end = tl.maximum(tl.minimum(hi, ctx_len + tile_q0 + 1), lo)
+    full_end = lo + (full_end - lo) // BLOCK_N * BLOCK_N
+    for start in range(lo, full_end, BLOCK_N):
+        acc, m_i, l_i = _attend_key_tile(
+            acc, m_i, l_i, q, K, V, block_row, start, hi, q_pos, kv_head, qk_scale,
+            stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+            HEAD_DIM, D_PAD, BLOCK_N, TOKENS_PER_BLOCK, False, DOT_DTYPE)
+    for start in range(full_end, hi, BLOCK_N):
+        acc, m_i, l_i = _attend_key_tile(
+            acc, m_i, l_i, q, K, V, block_row, start, hi, q_pos, kv_head, qk_scale,
+            stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+            HEAD_DIM, D_PAD, BLOCK_N, TOKENS_PER_BLOCK, True, DOT_DTYPE)
+
+    out, lse = finalize_state(acc, m_i, l_i)
+    out = out * v_scale  # V's fp8 dequant is uniform over keys: apply it once, after the sum
+    if SPLIT:
+        prow = token * NUM_HEADS + head  # partial row = (token, head), as the merge's out[T * NH, D]
+        tl.store(PartAcc + prow[:, None] * stride_acc_row + split_id * stride_acc_split + d[None, :],
+                 out, mask=io_mask)
+        tl.store(PartLse + prow * stride_lse_row + split_id * stride_lse_split, lse, mask=row_ok)
+    else:
+        tl.store(Out + token[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+                 out.to(Out.dtype.element_ty), mask=io_mask)
+
+
+def launch_grid(num_tokens: int, num_seqs: int, num_kv_heads: int, max_splits: int, block_q: int):
+    """Grid covering every query tile of any batch with these shapes (see the module docstring)."""
+    return (num_tokens // block_q + num_seqs, num_kv_heads, max_splits)
