@@ -7,6 +7,7 @@ so nothing is inherited: the child sees the pool only through the handle it is g
 import multiprocessing
 import os
 import signal
+import tempfile
 import traceback
 from pathlib import Path
 
@@ -19,6 +20,18 @@ from kvpool_service.spec import LayerGroup, PoolLayout, PoolSpec
 
 SPAWN = multiprocessing.get_context("spawn")
 TIMEOUT_S = 60
+
+
+@pytest.fixture
+def shm_dir():
+    """A private directory in /dev/shm: other processes' sweeps of /dev/shm never look inside it."""
+    path = Path(tempfile.mkdtemp(prefix="dflash-test-", dir="/dev/shm"))
+    yield path
+    leftovers = sorted(p.name for p in path.iterdir())
+    for leftover in path.iterdir():
+        leftover.unlink()
+    path.rmdir()
+    assert not leftovers, f"pool files left behind: {leftovers}"
 
 
 def make_layout(num_blocks=2):
@@ -51,8 +64,8 @@ def _child(conn, *args):
     _report(conn, _attach_read_and_write, *args)
 
 
-def _own_pool_until_told(conn, layout):
-    pool = PoolMemory.create(layout)
+def _own_pool_until_told(conn, layout, shm_dir):
+    pool = PoolMemory.create(layout, shm_dir=shm_dir)
     conn.send(pool.export())
     conn.recv()  # "exit": return without close(); the finalizer must clean up at exit
 
@@ -93,16 +106,16 @@ def test_spawned_process_attaches_and_both_see_each_others_writes():
     assert _share_and_check("cpu") == "cpu"
 
 
-def test_owner_exit_removes_its_file_and_marks_attached_views_stale():
+def test_owner_exit_removes_its_file_and_marks_attached_views_stale(shm_dir):
     layout = make_layout()
     parent_conn, child_conn = SPAWN.Pipe()
-    proc = SPAWN.Process(target=_own_pool_until_told, args=(child_conn, layout))
+    proc = SPAWN.Process(target=_own_pool_until_told, args=(child_conn, layout, shm_dir))
     proc.start()
     assert parent_conn.poll(TIMEOUT_S)
     handle = parent_conn.recv()
     path = Path(handle.shm_path)
     attached = PoolMemory.attach(handle, layout)
-    assert path.exists() and path not in sweep_stale_files()
+    assert path.parent == shm_dir and path.exists() and path not in sweep_stale_files(shm_dir)
     parent_conn.send("exit")
     proc.join(TIMEOUT_S)
     assert proc.exitcode == 0
@@ -114,19 +127,19 @@ def test_owner_exit_removes_its_file_and_marks_attached_views_stale():
         PoolMemory.attach(handle, layout)
 
 
-def test_killed_owner_leaves_a_file_that_the_next_pool_sweeps():
+def test_killed_owner_leaves_a_file_that_the_next_pool_sweeps(shm_dir):
     layout = make_layout()
     parent_conn, child_conn = SPAWN.Pipe()
-    proc = SPAWN.Process(target=_own_pool_until_told, args=(child_conn, layout))
+    proc = SPAWN.Process(target=_own_pool_until_told, args=(child_conn, layout, shm_dir))
     proc.start()
     assert parent_conn.poll(TIMEOUT_S)
     path = Path(parent_conn.recv().shm_path)
-    assert path not in sweep_stale_files()  # alive: its lock protects it
+    assert path not in sweep_stale_files(shm_dir)  # alive: its lock protects it
     os.kill(proc.pid, signal.SIGKILL)
     proc.join(TIMEOUT_S)
     assert proc.exitcode == -signal.SIGKILL
     assert path.exists()  # SIGKILL runs no finalizer
-    with PoolMemory.create(make_layout()) as fresh:  # a pool starting up sweeps dead owners' files
+    with PoolMemory.create(make_layout(), shm_dir=shm_dir) as fresh:  # start-up sweeps dead owners' files
         assert not path.exists()
         assert Path(fresh.export().shm_path).exists()
 
