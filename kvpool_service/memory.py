@@ -120,11 +120,12 @@ class LayerKV:
 class PoolMemory:
     """The pool's arenas in one process, as their owner (`create`) or attached to one (`attach`)."""
 
-    def __init__(self, layout: PoolLayout, buffer: torch.Tensor, *, is_owner: bool,
+    def __init__(self, layout: PoolLayout, buffer: torch.Tensor, *, is_owner: bool, shareable: bool = True,
                  owned_file: OwnedFile | None = None):
         """Carve `buffer`; use `create` or `attach`, which check everything first."""
         self.layout = layout
         self.is_owner = is_owner
+        self.shareable = shareable
         self.device = buffer.device
         self.nbytes = buffer.numel()
         self._buffer: torch.Tensor | None = buffer
@@ -138,18 +139,22 @@ class PoolMemory:
                            if is_owner else None)
 
     @classmethod
-    def create(cls, layout: PoolLayout, device: torch.device | str = "cpu", *,
+    def create(cls, layout: PoolLayout, device: torch.device | str = "cpu", *, share: bool = True,
                shm_dir: Path | str = SHM_DIR, sweep_stale: bool = True) -> PoolMemory:
-        """Allocate a zeroed pool for `layout` on `device` ("cpu": a file in `shm_dir`; "cuda[:i]").
+        """Allocate a zeroed pool for `layout` on `device` ("cpu" or "cuda[:i]").
 
-        On CPU, `sweep_stale` first removes pool files of dead owners (see `shm.sweep_stale_files`).
+        A shared CPU pool is a file in `shm_dir`; `sweep_stale` first removes pool files of dead
+        owners (see `shm.sweep_stale_files`). `share=False` is for the one-process engine: private
+        memory, no file, and `export` refuses (on CUDA the allocation is the same either way).
         """
         if not isinstance(layout, PoolLayout):
             raise TypeError(f"layout must be a PoolLayout, got {type(layout).__name__}")
         device = torch.device(device)
+        if device.type not in ("cpu", "cuda"):
+            raise ValueError(f"pool memory lives on 'cpu' or 'cuda', got device {str(device)!r}")
         _, nbytes = plan_segments(layout)
         owned_file = None
-        if device.type == "cpu":
+        if device.type == "cpu" and share:
             shm_dir = Path(shm_dir)
             if sweep_stale:
                 sweep_stale_files(shm_dir)
@@ -159,12 +164,10 @@ class PoolMemory:
             except BaseException:
                 owned_file.remove()
                 raise
-        elif device.type == "cuda":
-            buffer = torch.zeros(nbytes, dtype=torch.uint8, device=device)
         else:
-            raise ValueError(f"pool memory lives on 'cpu' or 'cuda', got device {str(device)!r}")
+            buffer = torch.zeros(nbytes, dtype=torch.uint8, device=device)
         buffer[:HEADER_BYTES].copy_(_pack_header(layout))
-        pool = cls(layout, buffer, is_owner=True, owned_file=owned_file)
+        pool = cls(layout, buffer, is_owner=True, shareable=share, owned_file=owned_file)
         for name, tensor in pool._tensors.items():
             if name.endswith(".scales"):
                 tensor.fill_(1.0)
@@ -196,6 +199,8 @@ class PoolMemory:
         buffer = self._open_buffer()
         if not self.is_owner:
             raise RuntimeError("only the pool's owner exports it; pass on the handle you attached with")
+        if not self.shareable:
+            raise RuntimeError("this pool was created with share=False (one process); it has no handle")
         if self._handle is None:
             if self._owned_file is not None:
                 self._handle = PoolHandle(self.layout, self.nbytes, shm_path=str(self._owned_file.path))

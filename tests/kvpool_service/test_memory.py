@@ -177,6 +177,18 @@ def test_close_removes_the_file_and_is_final():
         owner.export()
 
 
+def test_unshared_pool_has_the_same_views_but_no_file_and_no_handle():
+    layout = PoolLayout.create(make_spec(), num_blocks=3)
+    with PoolMemory.create(layout, share=False) as private:
+        assert not [name for name in os.listdir("/dev/shm") if name.endswith(f"-{layout.epoch:016x}")]
+        values = torch.randn(3, 16, 2, 16).to(torch.bfloat16)
+        private.layer("target", 0).v_cache.copy_(values)
+        assert torch.equal(private.arena("target")[:, 0, 1], values)
+        assert private.scales("draft").tolist() == [[1.0, 1.0]]
+        with pytest.raises(RuntimeError, match="created with share=False"):
+            private.export()
+
+
 def test_sweep_leaves_a_live_owners_file_alone(pool):
     path = Path(pool.export().shm_path)
     assert path not in shm.sweep_stale_files()
