@@ -221,8 +221,9 @@ def test_gpu_realistic_bf16(cache_dtype, num_splits):
 
 @pytest.mark.gpu
 def test_gpu_graph_replays_at_other_lengths():
-    case = make_case([3000, 100, 0], 16, 4, 4, 128, 32, torch.bfloat16, seed=5)
+    case = make_case([3000, 3000, 3000], 16, 4, 4, 128, 32, torch.bfloat16, seed=5)  # full tables
     ctx_lens = case["ctx_lens"]
+    ctx_lens.copy_(torch.tensor([3000, 100, 0], dtype=torch.int32))  # the lengths at capture
     out = torch.empty_like(case["q"])
     kernels.paged_context_attention(**case, out=out)  # compile outside capture
     graph = torch.cuda.CUDAGraph()
