@@ -8,6 +8,9 @@ import os
 import torch
 
 HAS_CUDA = torch.cuda.is_available()
+# Test tensors are tiny: one intra-op thread per worker is far faster than threads spinning against
+# each other (and against the other xdist worker) on a 2-core machine.
+torch.set_num_threads(1)
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 # Ray on one machine: loopback only, no telemetry, no auth prompts (DESIGN.md section 8).
