@@ -102,7 +102,8 @@ def _paged_attention_kernel(
     TOKENS_PER_BLOCK: tl.constexpr, SCALES_ON_DEVICE: tl.constexpr, SPLIT: tl.constexpr,  #
     DOT_DTYPE: tl.constexpr,
 ):
-    tile_id = tl.program_id(0)
+    # Last tiles first: a causal chunk's later tiles see more keys, so they should not be the tail.
+    tile_id = tl.num_programs(0) - 1 - tl.program_id(0)
     kv_head = tl.program_id(1)
     split_id = tl.program_id(2)
     seq = _find_seq(QueryStartLoc, num_seqs, tile_id, BLOCK_Q)

@@ -1,0 +1,383 @@
+"""Benchmark of kernels.paged_attention on a GPU, under CUDA graphs, against its floors and SDPA.
+
+Qwen3-8B attention geometry (32 query heads, 8 KV heads, D 128), 16-token pages shuffled over a
+pool arena [num_blocks, 2, tpb, NKV, D]. Decode and verify (q_len 1, 8, 16) for every
+B x ctx, bf16 and fp8 caches, and one 8k-token prefill. Beside each kernel time: torch SDPA
+over the same K/V already gathered into dense bf16 (what a dense design runs; fp8 rows share the
+bf16 SDPA time), the bytes floor (bytes / device-to-device copy bandwidth) and the FLOPs floor
+(causal FLOPs / bf16 matmul throughput), both ceilings measured in the same run.
+
+Each time is one CUDA graph holding one launch per rotated input set (sets rotate through more
+than 4x the L2, so every launch reads HBM), divided by the set count, median over replays. A
+short tile sweep on three representative shapes runs first; the table uses its winners.
+
+    PYTHONPATH=. python bench/paged_attention.py --out DIR [--commit HASH] [--budget-s 300]
+    PYTHONPATH=. python bench/paged_attention.py --plot DIR/paged_attention.json   # redraw the PNG
+    PYTHONPATH=. python bench/paged_attention.py --smoke --out DIR   # tiny, CPU interpreter ok
+
+Writes DIR/paged_attention.{json,md,png}; progress goes to the log.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+if "--smoke" in sys.argv and not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
+
+import triton
+from torch.nn.attention.bias import causal_lower_right
+
+from kernels.paged_attention import TileConfig, _launch_paged_attention, choose_tiles
+
+log = logging.getLogger("bench.paged_attention")
+
+FULL = dict(heads=32, kv_heads=8, head_dim=128, tpb=16, batches=(1, 8, 32, 128, 256),
+            contexts=(2048, 8192, 32768), q_lens=(1, 8, 16), prefill=8192)
+SMOKE = dict(heads=4, kv_heads=2, head_dim=32, tpb=16, batches=(1, 2), contexts=(40, 70),
+             q_lens=(1, 4), prefill=48)
+DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
+ROTATE_BYTES, MAX_SETS = 256 << 20, 32
+K_SCALE, V_SCALE = 0.5, 2.0
+# (block_n, num_warps, num_stages) tried on the representative shapes; block_m from choose_tiles
+SMALL_SWEEP = [(64, 4, 3), (64, 4, 2), (64, 4, 4), (128, 4, 3), (128, 8, 3), (32, 4, 4)]
+PREFILL_SWEEP = [(128, 64, 8, 3), (128, 64, 8, 2), (128, 128, 8, 3), (128, 64, 8, 4), (64, 64, 4, 3),
+                 (64, 128, 4, 3)]  # (block_m, block_n, num_warps, num_stages)
+
+
+class Deadline:
+    def __init__(self, seconds: float):
+        self.end = time.monotonic() + seconds
+
+    def passed(self) -> bool:
+        return time.monotonic() > self.end
+
+
+def time_calls(calls, device) -> float:
+    """Seconds per call: one graph of all calls (warmed first), median of replays; CPU: wall clock."""
+    for call in calls[:1]:
+        call()
+    if device.type != "cuda":
+        start = time.perf_counter()
+        for call in calls:
+            call()
+        return (time.perf_counter() - start) / len(calls)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    ms = triton.testing.do_bench(graph.replay, warmup=10, rep=60, return_mode="median")
+    del graph
+    return ms * 1e-3 / len(calls)
+
+
+def ceilings(device, smoke: bool) -> dict:
+    """Device-to-device copy bandwidth (bytes read + written) and bf16 matmul FLOP/s, random data."""
+    n, size = (1 << 20, 256) if smoke else (1 << 30, 8192)
+    src = torch.randn(n, device=device, dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    copy_s = time_calls([lambda: dst.copy_(src)], device)
+    a = torch.randn(size, size, device=device, dtype=torch.bfloat16)
+    b = torch.randn(size, size, device=device, dtype=torch.bfloat16)
+    mm_s = time_calls([lambda: a @ b], device)
+    result = dict(copy_bytes_per_s=2 * src.nbytes / copy_s, matmul_flop_per_s=2 * size**3 / mm_s)
+    log.info("ceilings: copy %.2f TB/s, bf16 matmul %.0f TFLOP/s", result["copy_bytes_per_s"] / 1e12,
+             result["matmul_flop_per_s"] / 1e12)
+    return result
+
+
+class Pool:
+    """One layer's pages, K and V of a page side by side, page order shuffled."""
+
+    def __init__(self, geo, num_tokens, dtype, device):
+        tpb = geo["tpb"]
+        self.num_blocks = triton.cdiv(num_tokens, tpb)
+        self.arena = torch.empty(self.num_blocks, 2, tpb, geo["kv_heads"], geo["head_dim"], dtype=dtype,
+                                 device=device)
+        for chunk in self.arena.view(-1).split(1 << 28):  # never zeros: they time faster
+            chunk.copy_(torch.randn(chunk.shape, device=device, dtype=torch.bfloat16))
+        self.k, self.v = self.arena[:, 0], self.arena[:, 1]
+        self.perm = torch.randperm(self.num_blocks, device=device).int()
+
+    def tables(self, batch, pages, count):
+        """`count` disjoint block tables [batch, pages] over shuffled pages."""
+        per_set = batch * pages
+        return [self.perm[r * per_set:(r + 1) * per_set].view(batch, pages) for r in range(count)]
+
+    def dense(self, table, ctx):
+        """K, V of the table's sequences as dense bf16 [B, NKV, ctx, D], dequantized."""
+        scales = (K_SCALE, V_SCALE) if self.k.dtype == torch.float8_e4m3fn else (1.0, 1.0)
+        gathered = [cache[table.long()].flatten(1, 2)[:, :ctx].transpose(1, 2) for cache in (self.k, self.v)]
+        return [(t.to(torch.bfloat16) * s).contiguous() for t, s in zip(gathered, scales)]
+
+
+def causal_flops(geo, batch, ctx, q_len) -> float:
+    """4 * NH * D per visible (query, key) pair: query i of a block sees ctx - q_len + i + 1 keys."""
+    pairs = batch * (q_len * (ctx - q_len) + q_len * (q_len + 1) // 2)
+    return 4 * geo["heads"] * geo["head_dim"] * pairs
+
+
+def sdpa_call(q, k, v, q_len, ctx):
+    """SDPA over dense K/V, GQA in the kernel, bottom-right causal when q_len > 1."""
+    mask = None if q_len == 1 else causal_lower_right(q_len, ctx)
+    return lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+
+def run_case(geo, pool, dtype_name, batch, ctx, q_len, tiles, device, sdpa_cache, check=True,
+             baseline=True) -> dict:
+    """Time the kernel on rotated tables; time SDPA once per shape (bf16); check against it."""
+    heads, head_dim, tpb = geo["heads"], geo["head_dim"], geo["tpb"]
+    pages = triton.cdiv(ctx, tpb)
+    kv_bytes = batch * ctx * geo["kv_heads"] * head_dim * 2 * pool.arena.element_size()
+    sets = max(1, min(MAX_SETS, triton.cdiv(ROTATE_BYTES, kv_bytes), pool.num_blocks // (batch * pages)))
+    tables = pool.tables(batch, pages, sets)
+    q = torch.randn(batch * q_len, heads, head_dim, device=device, dtype=torch.bfloat16)
+    out = torch.empty_like(q)
+    seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
+    starts = (torch.arange(batch + 1, device=device) * q_len).int()
+    scales = dict(k_scale=None, v_scale=None)
+    if dtype_name == "fp8":
+        scales = dict(k_scale=torch.tensor(K_SCALE, device=device),
+                      v_scale=torch.tensor(V_SCALE, device=device))
+    launch = functools.partial(_launch_paged_attention, q, pool.k, pool.v, seq_lens=seq_lens,
+                               query_start_loc=starts, scale=None, num_splits=None, out=out, tiles=tiles,
+                               **scales)
+    seconds = time_calls([functools.partial(launch, block_table=t) for t in tables], device)
+    record = dict(dtype=dtype_name, batch=batch, ctx=ctx, q_len=q_len, sets=sets, tiles=tiles._asdict(),
+                  seconds=seconds, bytes=kv_bytes + 2 * q.nbytes, flops=causal_flops(geo, batch, ctx, q_len))
+    key = (batch, ctx, q_len)
+    time_sdpa = baseline and key not in sdpa_cache and dtype_name == "bf16"
+    if check or time_sdpa:
+        dense = [pool.dense(t, ctx) for t in (tables if time_sdpa else tables[:1])]
+        qd = q.view(batch, q_len, heads, head_dim).transpose(1, 2)
+        if time_sdpa:
+            sdpa_cache[key] = time_calls([sdpa_call(qd, k, v, q_len, ctx) for k, v in dense], device)
+        if check:
+            launch(block_table=tables[0])
+            expected = sdpa_call(qd, *dense[0], q_len, ctx)().transpose(1, 2).reshape(out.shape)
+            err = (out.float() - expected.float()).norm() / expected.float().norm()
+            record["rel_err_vs_sdpa"] = err.item()
+        del dense
+    record["sdpa_seconds"] = sdpa_cache.get(key)
+    return record
+
+
+def sweep(geo, pools, device, deadline) -> dict:
+    """Time each candidate tile on decode and verify (B 32, ctx 8192) and the prefill; keep the best."""
+    best, rows = {}, []
+    full = geo is FULL
+    shapes = {"decode": (32 if full else 2, geo["contexts"][1], 1), "verify": (32 if full else 2,
+              geo["contexts"][1], geo["q_lens"][-1]), "prefill": (1, geo["prefill"], geo["prefill"])}
+    for regime, (batch, ctx, q_len) in shapes.items():
+        base = choose_tiles(batch * q_len, batch, geo["heads"] // geo["kv_heads"], geo["head_dim"], device)
+        candidates = ([base._replace(block_q=m // (geo["heads"] // geo["kv_heads"]), block_m=m, block_n=n,
+                                     num_warps=w, num_stages=s) for m, n, w, s in PREFILL_SWEEP]
+                      if regime == "prefill" else
+                      [base._replace(block_n=n, num_warps=w, num_stages=s) for n, w, s in SMALL_SWEEP])
+        for tiles in candidates if device.type == "cuda" else [base]:
+            if deadline.passed():
+                break
+            try:
+                rec = run_case(geo, pools["bf16"], "bf16", batch, ctx, q_len, tiles, device, {}, check=False,
+                               baseline=False)
+                rows.append(dict(regime=regime, tiles=tiles._asdict(), seconds=rec["seconds"]))
+                log.info("sweep %s %s: %.1f us", regime, tuple(tiles), rec["seconds"] * 1e6)
+            except Exception as exc:  # a tile that does not fit (shared memory, registers) is skipped
+                rows.append(dict(regime=regime, tiles=tiles._asdict(), error=repr(exc)[:300]))
+                log.warning("sweep %s %s failed: %r", regime, tuple(tiles), exc)
+        timed = [r for r in rows if r["regime"] == regime and "seconds" in r]
+        best[regime] = TileConfig(**min(timed, key=lambda r: r["seconds"])["tiles"]) if timed else base
+    return dict(best={k: v._asdict() for k, v in best.items()}, rows=rows), best
+
+
+def tiles_for(best, geo, batch, q_len, device) -> TileConfig:
+    base = choose_tiles(batch * q_len, batch, geo["heads"] // geo["kv_heads"], geo["head_dim"], device)
+    if base.block_m >= 128 or q_len > 16:
+        return best["prefill"]
+    tuned = best["decode" if q_len == 1 else "verify"]
+    return base._replace(block_n=tuned.block_n, num_warps=tuned.num_warps, num_stages=tuned.num_stages)
+
+
+def run_all(geo, device, deadline) -> dict:
+    tpb = geo["tpb"]
+    most_tokens = max(b * triton.cdiv(c, tpb) * tpb for b in geo["batches"]
+                      for c in (*geo["contexts"], geo["prefill"]))
+    pools = {name: Pool(geo, most_tokens, dtype, device) for name, dtype in DTYPES.items()}
+    sweep_result, best = sweep(geo, pools, device, deadline)
+    cases, sdpa_cache = [], {}
+    for dtype_name in DTYPES:
+        for q_len in geo["q_lens"]:
+            for batch in geo["batches"]:
+                for ctx in geo["contexts"]:
+                    if deadline.passed():
+                        log.warning("budget spent: skipping %s q%d B%d ctx%d", dtype_name, q_len, batch, ctx)
+                        continue
+                    tiles = tiles_for(best, geo, batch, q_len, device)
+                    rec = run_case(geo, pools[dtype_name], dtype_name, batch, ctx, q_len, tiles, device,
+                                   sdpa_cache, check=batch * ctx <= (1 << 20))
+                    cases.append(rec)
+                    log.info("%s q%d B%d ctx%d: %.1f us (sdpa %s)", dtype_name, q_len, batch, ctx,
+                             rec["seconds"] * 1e6, f"{rec['sdpa_seconds'] * 1e6:.1f} us"
+                             if rec["sdpa_seconds"] else "-")
+        prefill = geo["prefill"]
+        cases.append(run_case(geo, pools[dtype_name], dtype_name, 1, prefill, prefill,
+                              tiles_for(best, geo, 1, prefill, device), device, sdpa_cache))
+        cases[-1]["kind"] = "prefill"
+    return dict(sweep=sweep_result, cases=cases)
+
+
+def annotate(result) -> None:
+    """Floors and percentages from the ceilings measured in the same run."""
+    bw, mm = result["ceilings"]["copy_bytes_per_s"], result["ceilings"]["matmul_flop_per_s"]
+    for case in result["cases"]:
+        case["bytes_floor_s"] = case["bytes"] / bw
+        case["flops_floor_s"] = case["flops"] / mm
+        case["pct_copy_bw"] = 100 * case["bytes_floor_s"] / case["seconds"]
+        case["pct_matmul"] = 100 * case["flops_floor_s"] / case["seconds"]
+        sdpa = case.get("sdpa_seconds")
+        case["speedup_vs_sdpa"] = sdpa / case["seconds"] if sdpa else None
+
+
+def markdown(result) -> str:
+    meta, ceil, lines = result["meta"], result["ceilings"], []
+    lines += [f"# paged_attention on {meta['device']}", "",
+              f"commit `{meta['commit']}`, {meta['date']}, torch {meta['torch']}, triton {meta['triton']}",
+              f"command: `{meta['command']}`", "",
+              f"Ceilings measured in this run: copy {ceil['copy_bytes_per_s'] / 1e12:.2f} TB/s "
+              f"(read + write), bf16 matmul {ceil['matmul_flop_per_s'] / 1e12:.0f} TFLOP/s.", ""]
+    lines += [*summary(result), ""]
+    lines += ["| cache | q_len | B | ctx | kernel us | SDPA dense us | bytes floor us | % copy BW | "
+              "x SDPA | tiles (m, n, warps, stages) |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for c in result["cases"]:
+        if c.get("kind") == "prefill":
+            continue
+        t = c["tiles"]
+        sdpa = f"{c['sdpa_seconds'] * 1e6:.1f}" if c["sdpa_seconds"] else "-"
+        speed = f"{c['speedup_vs_sdpa']:.2f}" if c["speedup_vs_sdpa"] else "-"
+        lines.append(f"| {c['dtype']} | {c['q_len']} | {c['batch']} | {c['ctx']} | "
+                     f"{c['seconds'] * 1e6:.1f} | {sdpa} | {c['bytes_floor_s'] * 1e6:.1f} | "
+                     f"{c['pct_copy_bw']:.0f} | {speed} | "
+                     f"{t['block_m']}, {t['block_n']}, {t['num_warps']}, {t['num_stages']} |")
+    lines += ["", "| prefill | tokens | kernel ms | SDPA dense ms | FLOPs floor ms | TFLOP/s | % matmul "
+              "| x SDPA |", "|---|---|---|---|---|---|---|---|"]
+    for c in result["cases"]:
+        if c.get("kind") == "prefill":
+            sdpa = f"{c['sdpa_seconds'] * 1e3:.3f}" if c["sdpa_seconds"] else "-"
+            lines.append(f"| {c['dtype']} | {c['q_len']} | {c['seconds'] * 1e3:.3f} | {sdpa} | "
+                         f"{c['flops_floor_s'] * 1e3:.3f} | {c['flops'] / c['seconds'] / 1e12:.0f} | "
+                         f"{c['pct_matmul']:.0f} | {c['speedup_vs_sdpa'] or 0:.2f} |")
+    lines += ["", "Tile sweep (bf16; best per regime used above):", ""]
+    for r in result["sweep"]["rows"]:
+        timed = f"{r['seconds'] * 1e6:.1f} us" if "seconds" in r else f"failed ({r['error'][:80]})"
+        lines.append(f"- {r['regime']} {tuple(r['tiles'].values())}: {timed}")
+    return "\n".join(lines) + "\n"
+
+
+def summary(result) -> list[str]:
+    lines = []
+    small = [c for c in result["cases"] if c.get("kind") != "prefill"]
+    for dtype in DTYPES:
+        for label, q_lens in (("decode", (1,)), ("verify", (8, 16))):
+            pcts = [c["pct_copy_bw"] for c in small if c["dtype"] == dtype and c["batch"] >= 32
+                    and c["q_len"] in q_lens]
+            if pcts:
+                lines.append(f"- {dtype} {label}, B >= 32: {min(pcts):.0f}% .. {max(pcts):.0f}% of copy "
+                             f"bandwidth (target >= 80%)")
+    for c in result["cases"]:
+        if c.get("kind") == "prefill":
+            lines.append(f"- {c['dtype']} prefill {c['q_len']} tokens: {c['pct_matmul']:.0f}% of bf16 matmul "
+                         f"throughput (target >= 50%)")
+    slower = [c for c in result["cases"] if c["speedup_vs_sdpa"] and c["speedup_vs_sdpa"] < 1]
+    lines.append(f"- slower than SDPA over dense in {len(slower)} of "
+                 f"{sum(1 for c in result['cases'] if c['speedup_vs_sdpa'])} cases" + (": " + ", ".join(
+                     f"{c['dtype']} q{c['q_len']} B{c['batch']} ctx{c['ctx']} ({c['speedup_vs_sdpa']:.2f}x)"
+                     for c in slower) if slower else ""))
+    return lines
+
+
+def plot(result, path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    small = [c for c in result["cases"] if c.get("kind") != "prefill"]
+    q_lens = sorted({c["q_len"] for c in small})
+    fig, axes = plt.subplots(1, len(q_lens) + 1, figsize=(5 * (len(q_lens) + 1), 4.2))
+    for ax, q_len in zip(axes, q_lens):
+        for i, ctx in enumerate(sorted({c["ctx"] for c in small})):
+            for dtype, style in (("bf16", "-"), ("fp8", "--")):
+                rows = sorted((c for c in small if (c["q_len"], c["ctx"], c["dtype"]) == (q_len, ctx, dtype)),
+                              key=lambda c: c["batch"])
+                ax.plot([c["batch"] for c in rows], [c["pct_copy_bw"] for c in rows], style, color=f"C{i}",
+                        marker="o", label=f"{dtype} ctx {ctx}")
+                if dtype == "bf16":  # SDPA reads bf16 dense: its own % of the same bf16 floor
+                    ax.plot([c["batch"] for c in rows if c["sdpa_seconds"]],
+                            [100 * c["bytes_floor_s"] / c["sdpa_seconds"] for c in rows if c["sdpa_seconds"]],
+                            ":", color=f"C{i}", marker="x", label=f"SDPA dense ctx {ctx}")
+        ax.axhline(80, color="gray", lw=0.8)
+        ax.set(xscale="log", xlabel="batch", ylabel="% of copy bandwidth", title=f"q_len {q_len}",
+               ylim=(0, 110))
+    axes[0].legend(fontsize=6)
+    prefill = [c for c in result["cases"] if c.get("kind") == "prefill"]
+    labels = [f"{c['dtype']}" for c in prefill] + ["SDPA dense"]
+    values = [c["flops"] / c["seconds"] / 1e12 for c in prefill]
+    sdpa_s = prefill[0]["sdpa_seconds"]
+    values.append(prefill[0]["flops"] / sdpa_s / 1e12 if sdpa_s else 0)
+    axes[-1].bar(labels, values, color=["C0", "C1", "C7"])
+    axes[-1].axhline(result["ceilings"]["matmul_flop_per_s"] / 1e12, color="gray", lw=0.8,
+                     label="bf16 matmul")
+    axes[-1].set(ylabel="TFLOP/s", title=f"prefill {prefill[0]['q_len']} tokens")
+    axes[-1].legend(fontsize=7)
+    fig.suptitle(f"paged_attention, {result['meta']['device']}, commit {result['meta']['commit'][:10]}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    parser.add_argument("--commit", default=os.environ.get("COMMIT", "unknown"))
+    parser.add_argument("--budget-s", type=float, default=300.0, help="stop starting new cases after this")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes (CPU through the interpreter)")
+    parser.add_argument("--plot", type=Path, help="only redraw the PNG from this JSON")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    if args.plot:
+        plot(json.loads(args.plot.read_text()), args.plot.with_suffix(".png"))
+        return
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    torch.manual_seed(0)
+    deadline = Deadline(args.budget_s)
+    geo = SMOKE if args.smoke else FULL
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu (interpreter)"
+    now = datetime.datetime.now(datetime.timezone.utc).isoformat()
+    result = dict(meta=dict(device=name, commit=args.commit, date=now,
+                            torch=torch.__version__, triton=triton.__version__,
+                            command="PYTHONPATH=. python " + " ".join(sys.argv), geometry=geo))
+    result["ceilings"] = ceilings(device, args.smoke)
+    result.update(run_all(geo, device, deadline))
+    annotate(result)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "paged_attention.json").write_text(json.dumps(result, indent=1))
+    (args.out / "paged_attention.md").write_text(markdown(result))
+    log.info("\n%s", "\n".join(summary(result)))
+    try:
+        plot(result, args.out / "paged_attention.png")
+    except ImportError as exc:
+        log.warning("no PNG (%s): redraw with --plot", exc)
+
+
+if __name__ == "__main__":
+    main()
