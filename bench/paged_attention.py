@@ -119,8 +119,11 @@ class Pool:
     def dense(self, table, ctx):
         """K, V of the table's sequences as dense bf16 [B, NKV, ctx, D], dequantized."""
         scales = (K_SCALE, V_SCALE) if self.k.dtype == torch.float8_e4m3fn else (1.0, 1.0)
-        gathered = [cache[table.long()].flatten(1, 2)[:, :ctx].transpose(1, 2) for cache in (self.k, self.v)]
-        return [(t.to(torch.bfloat16) * s).contiguous() for t, s in zip(gathered, scales)]
+        dense = []
+        for cache, s in zip((self.k, self.v), scales):  # one copy at a time: B 256 x ctx 32k is 17 GB
+            t = cache[table.long()].flatten(1, 2)[:, :ctx].transpose(1, 2).to(torch.bfloat16).contiguous()
+            dense.append(t.mul_(s) if s != 1.0 else t)
+        return dense
 
 
 def causal_flops(geo, batch, ctx, q_len) -> float:
@@ -162,13 +165,17 @@ def run_case(geo, pool, dtype_name, batch, ctx, q_len, tiles, device, sdpa_cache
     if check or time_sdpa:
         dense = [pool.dense(t, ctx) for t in (tables if time_sdpa else tables[:1])]
         qd = q.view(batch, q_len, heads, head_dim).transpose(1, 2)
-        if time_sdpa:
-            sdpa_cache[key] = time_calls([sdpa_call(qd, k, v, q_len, ctx) for k, v in dense], device)
-        if check:
-            launch(block_table=tables[0])
-            expected = sdpa_call(qd, *dense[0], q_len, ctx)().transpose(1, 2).reshape(out.shape)
-            err = (out.float() - expected.float()).norm() / expected.float().norm()
-            record["rel_err_vs_sdpa"] = err.item()
+        try:  # SDPA may pick a backend that does not fit (math with expanded heads): record, go on
+            if time_sdpa:
+                sdpa_cache[key] = time_calls([sdpa_call(qd, k, v, q_len, ctx) for k, v in dense], device)
+            if check:
+                launch(block_table=tables[0])
+                expected = sdpa_call(qd, *dense[0], q_len, ctx)().transpose(1, 2).reshape(out.shape)
+                err = (out.float() - expected.float()).norm() / expected.float().norm()
+                record["rel_err_vs_sdpa"] = err.item()
+        except (RuntimeError, torch.OutOfMemoryError) as exc:
+            record["sdpa_error"] = repr(exc)[:300]
+            log.warning("SDPA failed at B%d ctx%d q%d: %r", batch, ctx, q_len, exc)
         del dense
     record["sdpa_seconds"] = sdpa_cache.get(key)
     return record
