@@ -13,7 +13,7 @@ import sys
 
 from pydantic import ValidationError
 
-SUBCOMMAND_MODULES = ("target_service.cli_plan",)
+SUBCOMMAND_MODULES = ("target_service.cli_plan", "target_service.cli_generate")
 USAGE_ERROR = 2
 
 

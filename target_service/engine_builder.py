@@ -97,7 +97,7 @@ def build_engine(args: EngineArgs) -> tuple[LLMEngine, object, PoolMemory]:
         raise ValueError(f"a KV budget of {format_bytes(budget)} holds {num_blocks} blocks of "
                          f"{format_bytes(pool_spec.bytes_per_block)}; give more kv_cache_memory")
     layout = PoolLayout.create(pool_spec, num_blocks)
-    memory = PoolMemory.create(layout, device)
+    memory = PoolMemory.create(layout, device, share=False)  # one process: no /dev/shm file needed
     logger.info("KV pool: %d blocks of %d tokens (%s per token), context %s", num_blocks,
                 spec.tokens_per_block, format_bytes(pool_spec.bytes_per_token), args.context_storage)
     pool = BlockManager.from_layout(layout, max_num_seqs=args.max_num_seqs, max_model_len=max_model_len,

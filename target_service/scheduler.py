@@ -62,6 +62,7 @@ class Scheduler:
         self.num_speculative_tokens = num_speculative_tokens
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
+        self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -119,6 +120,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         logger.info("preempting request %s (recompute) to free pages", seq.request_id)
         self.pool.close([seq.seq_id])
+        self.num_preemptions += 1
         self.running.remove(seq)
         seq.reset_for_recompute()
         self.waiting.appendleft(seq)

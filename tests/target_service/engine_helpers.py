@@ -1,0 +1,79 @@
+"""Shared pieces of the engine tests: tiny checkpoints and an oracle drafter double."""
+
+from __future__ import annotations
+
+import zlib
+
+import torch
+from tiny_checkpoints import write_drafter_checkpoint, write_target_checkpoint
+
+from target_service.llm import LLM
+
+
+def make_pair(tmp_path, *, arch="qwen3", block_size=8, vocab_size=160, tokenizer=False, **target_fields):
+    target = write_target_checkpoint(tmp_path / "target", arch, vocab_size=vocab_size, tokenizer=tokenizer,
+                                     seed=int(torch.randint(0, 2**31, ()).item()), **target_fields)
+    drafter = write_drafter_checkpoint(tmp_path / "drafter", target, block_size=block_size,
+                                       seed=int(torch.randint(0, 2**31, ()).item()))
+    return target, drafter
+
+
+def random_prompts(count: int, vocab_size: int, *, low=1, high=40) -> list[list[int]]:
+    lengths = torch.randint(low, high, (count,)).tolist()
+    return [torch.randint(3, vocab_size, (n,)).tolist() for n in lengths]
+
+
+class OracleDrafter:
+    """Wraps the real DraftWorker: records every context write, and proposes the KNOWN target
+    continuation (from a target-only reference run) with some drafts corrupted on purpose.
+
+    Since the target agrees with the reference exactly, the engine must accept precisely the
+    uncorrupted prefix of each proposal: `expected_accepted` is that count, summed, computed here
+    independently of the engine's accept logic.
+    """
+
+    def __init__(self, llm: LLM, references: dict[tuple, list[int]], corrupt_every: int = 3):
+        self.inner = llm.engine.drafter
+        self.engine = llm.engine
+        self.references = references  # prompt tuple -> prompt + reference output ids
+        self.corrupt_every = corrupt_every
+        self.expected_accepted = 0
+        self.stored: dict[int, list[int]] = {}  # seq_id -> context positions written, in order
+        llm.engine.drafter = self
+
+    @property
+    def block_size(self) -> int:
+        return self.inner.block_size
+
+    def _seq_at(self, slot: int):
+        return next(seq for seq in self.engine.scheduler.running if seq.slot == slot)
+
+    def store_context(self, taps, positions, seq_slots, target_slots):
+        for position, slot, target_slot in zip(positions.tolist(), seq_slots.tolist(), target_slots.tolist()):
+            if target_slot != -1:
+                self.stored.setdefault(self._seq_at(slot).seq_id, []).append(position)
+        self.inner.store_context(taps, positions, seq_slots, target_slots)
+
+    def propose(self, bonus_tokens, start_positions, seq_slots, target_block_table, num_speculative_tokens):
+        self.inner.propose(bonus_tokens, start_positions, seq_slots, target_block_table,
+                           num_speculative_tokens)  # the real path still runs on the real pages
+        rows = []
+        for start, slot in zip(start_positions.tolist(), seq_slots.tolist()):
+            seq = self._seq_at(slot)
+            reference = self.references[tuple(seq.prompt_token_ids)]
+            row, corrupted_at = [], None
+            for k in range(1, num_speculative_tokens + 1):
+                position = start + k
+                token = reference[position] if position < len(reference) else 0
+                if zlib.crc32(f"{seq.seq_id}:{position}".encode()) % self.corrupt_every == 0:
+                    token = (token + 1) % self.engine.target.config.vocab_size
+                    corrupted_at = k - 1 if corrupted_at is None else corrupted_at
+                row.append(token)
+            usable = min(num_speculative_tokens, self._usable(seq))
+            first_bad = corrupted_at if corrupted_at is not None else num_speculative_tokens
+            self.expected_accepted += min(first_bad, usable)
+            rows.append(row)
+        return torch.tensor(rows, dtype=torch.long, device=start_positions.device)
+
+    def _usable(self, seq) -> int:
+        return self.engine.scheduler.num_draft_tokens(seq)
