@@ -117,3 +117,32 @@ def test_plain_decoding_without_a_drafter_counts_no_drafts(tmp_path):
     assert all(len(out.outputs[0].token_ids) == 24 for out in outputs)
     assert llm.stats.num_drafts == 0
     llm.close()
+
+
+@pytest.mark.parametrize("storage", ["paged", "dense"])
+def test_chunked_prefill_under_a_small_token_budget(tmp_path, storage):
+    """Prompts longer than the step budget prefill in chunks, mixed with other sequences' verify blocks."""
+    target, drafter = make_pair(tmp_path)
+    prompts = random_prompts(4, 160, low=30, high=70)
+    expected = reference_outputs(target, prompts)
+    llm = LLM(target, drafter, num_speculative_tokens=3, context_storage=storage, kv_cache_memory="4MiB",
+              tokens_per_block=16, max_num_seqs=4, max_model_len=128, max_num_batched_tokens=16)
+    oracle = OracleDrafter(llm, {tuple(p): p + out for p, out in zip(prompts, expected)})
+    steps = []
+    original = llm.engine.scheduler.schedule
+
+    def recording_schedule():
+        plan = original()
+        steps.append((len(plan.prefills), len(plan.decodes),
+                      sum(c.num_tokens for c in plan.prefills) + sum(w.num_draft + 1 for w in plan.decodes)))
+        return plan
+
+    llm.engine.scheduler.schedule = recording_schedule
+    assert [out.outputs[0].token_ids for out in llm.generate(prompts, GREEDY)] == expected
+    assert max(tokens for *_, tokens in steps) <= 16
+    assert any(prefills and decodes for prefills, decodes, _ in steps)  # mixed steps happened
+    assert llm.stats.num_accepted_tokens == oracle.expected_accepted
+    for positions in oracle.stored.values():
+        assert positions == list(range(len(positions)))
+    assert_no_page_in_use(llm)
+    llm.close()
