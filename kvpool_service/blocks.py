@@ -23,36 +23,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
+# The control vocabulary lives in kvpool_service.control; it is importable from here too.
+from kvpool_service.control import CommitRequest, OpenRequest, OpenResult, PoolUsage, ReserveRequest
 from kvpool_service.errors import InvalidRequest, LimitExceeded, PoolExhausted, StaleEpoch, UnknownSequence
 from kvpool_service.prefix_cache import BlockHash, PrefixCache, hash_block, hash_chain
 
 TOKEN_TYPECODE = "I"  # token ids are stored as unsigned 32-bit ints
 assert array(TOKEN_TYPECODE).itemsize == 4
 MAX_SEQ_ID = 2**64 - 1
-
-
-class OpenRequest(NamedTuple):
-    seq_id: int
-    prompt_token_ids: Sequence[int]
-
-
-class OpenResult(NamedTuple):
-    seq_id: int
-    slot: int
-    num_cached_tokens: int  # restored from the prefix cache: target K/V and draft context both
-    block_ids: list[int]  # the whole block table, covering the prompt
-
-
-class ReserveRequest(NamedTuple):
-    seq_id: int
-    length: int  # capacity wanted: positions 0..length-1
-
-
-class CommitRequest(NamedTuple):
-    seq_id: int
-    num_tokens: int  # positions whose target K/V is written
-    num_context: int  # positions whose draft context is stored (<= num_tokens)
-    token_ids: Sequence[int] = ()  # ids of tokens past those already known (prompt + earlier commits)
 
 
 @dataclass(slots=True)
@@ -78,23 +56,6 @@ class SequenceBlocks:
     token_ids: array
     num_hashed_blocks: int
     last_hash: BlockHash | None
-
-
-@dataclass(frozen=True, slots=True)
-class PoolUsage:
-    """A snapshot for PoolStats and the metrics."""
-
-    num_blocks: int
-    num_free_blocks: int
-    num_cached_blocks: int
-    num_used_blocks: int
-    num_seqs: int
-    prefix_cache_queries: int  # prompt tokens looked up
-    prefix_cache_hits: int  # prompt tokens restored
-
-    @property
-    def prefix_cache_hit_rate(self) -> float:
-        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
 
 
 class _OpenPlan(NamedTuple):

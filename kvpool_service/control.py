@@ -1,0 +1,76 @@
+"""The pool's control interface: the batched verbs the scheduler calls once per step, and their types.
+
+Two things implement `PoolControl`: the in-process `BlockManager` (kvpool_service.blocks) and the
+gRPC `KVPoolClient` (kvpool_service.client) talking to a `dflash kvpool` server. Both raise the same
+typed errors (kvpool_service.errors), so the engine runs unchanged against either.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple, Protocol, runtime_checkable
+
+
+class OpenRequest(NamedTuple):
+    seq_id: int
+    prompt_token_ids: Sequence[int]
+
+
+class OpenResult(NamedTuple):
+    seq_id: int
+    slot: int  # the sequence's row in the block tables
+    num_cached_tokens: int  # restored from the prefix cache: target K/V and draft context both
+    block_ids: list[int]  # the whole block table, covering the prompt
+
+
+class ReserveRequest(NamedTuple):
+    seq_id: int
+    length: int  # capacity wanted: positions 0..length-1
+
+
+class CommitRequest(NamedTuple):
+    seq_id: int
+    num_tokens: int  # positions whose target K/V is written
+    num_context: int  # positions whose draft context is stored (<= num_tokens)
+    token_ids: Sequence[int] = ()  # ids of tokens past those already known (prompt + earlier commits)
+
+
+@dataclass(frozen=True, slots=True)
+class PoolUsage:
+    """A snapshot of the pool's blocks and prefix cache, for PoolStats and the metrics."""
+
+    num_blocks: int
+    num_free_blocks: int
+    num_cached_blocks: int  # refcount 0, still in the prefix cache, evictable
+    num_used_blocks: int
+    num_seqs: int
+    prefix_cache_queries: int  # prompt tokens looked up
+    prefix_cache_hits: int  # prompt tokens restored
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+
+@runtime_checkable
+class PoolControl(Protocol):
+    """What the scheduler needs from a pool. Every call is batched and all-or-nothing."""
+
+    def open(self, requests: Sequence[OpenRequest]) -> list[OpenResult]:
+        """Slots, prefix-cache hits and blocks for whole prompts; PoolExhausted leaves nothing open."""
+        ...
+
+    def reserve(self, requests: Sequence[ReserveRequest]) -> list[list[int]]:
+        """Grow capacities; per request, the block ids appended to its block table."""
+        ...
+
+    def commit(self, requests: Sequence[CommitRequest]) -> None:
+        """Record written lengths (and new token ids) after a step."""
+        ...
+
+    def close(self, seq_ids: Sequence[int]) -> None:
+        """Release the sequences' blocks and slots."""
+        ...
+
+    def stats(self) -> PoolUsage: ...
