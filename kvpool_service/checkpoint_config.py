@@ -55,6 +55,9 @@ class _LayerFields(BaseModel):
     attention_bias: bool = False
     vocab_size: PositiveInt | None = None
     torch_dtype: str | None = None
+    hidden_act: str = "silu"
+    mlp_bias: bool = False
+    use_sliding_window: bool = False
 
     @model_validator(mode="before")
     @classmethod
@@ -85,6 +88,12 @@ class _LayerFields(BaseModel):
             )
         if not _is_power_of_two(self.head_dim) or self.head_dim < 16:
             raise ValueError(f"head_dim must be a power of two >= 16, got {self.head_dim}")
+        if self.hidden_act != "silu":
+            raise ValueError(f"hidden_act {self.hidden_act!r} is not supported; the SwiGLU MLP needs 'silu'")
+        if self.mlp_bias:
+            raise ValueError("mlp_bias=True is not supported: the MLP projections have no biases")
+        if self.use_sliding_window:
+            raise ValueError("use_sliding_window=True is not supported: every layer attends to all positions")
         if self.torch_dtype is not None and self.torch_dtype not in DTYPE_NAMES:
             raise ValueError(f"torch_dtype {self.torch_dtype!r} is not one of {sorted(set(DTYPE_NAMES))}")
         return self

@@ -61,6 +61,9 @@ def test_newer_rope_parameters_spelling_is_read(tmp_path):
         ({"hidden_size": -1}, "hidden_size"),
         ({"torch_dtype": "int4"}, "torch_dtype"),
         ({"vocab_size": None}, "vocab_size"),
+        ({"hidden_act": "gelu"}, "hidden_act"),
+        ({"mlp_bias": True}, "mlp_bias"),
+        ({"use_sliding_window": True}, "use_sliding_window"),
     ],
 )
 def test_bad_target_field_is_named(tmp_path, change, field):
