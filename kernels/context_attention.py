@@ -28,7 +28,7 @@ import triton.language as tl
 
 from kernels import reference, split_kv
 from kernels.dispatch import resolve_backend
-from kernels.split_kv import finalize_state, merge_partial_tile, num_splits_for, split_bounds
+from kernels.split_kv import finalize_state, merge_partial_chunks, num_splits_for, split_bounds
 from kernels.validation import (
     ACTIVATION_DTYPES,
     FP8,
@@ -51,15 +51,19 @@ class LaunchConfig:
     num_warps: int = 4
     num_stages: int = 3
     merge_rows: int = 16  # rows x columns of one merge program
-    merge_cols: int = 32
+    merge_cols: int = 16
+    merge_chunk: int = 32  # splits one merge step loads at once
 
 
-def default_config(rows_pad: int, device: torch.device) -> LaunchConfig:
+def default_config(rows_pad: int, cache_dtype: torch.dtype, device: torch.device) -> LaunchConfig:
+    """Measured on an H200 (bench/results/context_attention.md, tile sweep)."""
     if device.type != "cuda":  # the interpreter: small tiles run faster in numpy
-        return LaunchConfig(block_n=32, num_warps=4, num_stages=1)
+        return LaunchConfig(block_n=32, num_warps=4, num_stages=1, merge_chunk=4)
     if rows_pad >= 128:  # a 128 x D fp32 accumulator wants 8 warps' registers
         return LaunchConfig(block_n=64, num_warps=8, num_stages=2)
-    return LaunchConfig()
+    if cache_dtype == FP8:  # half the bytes per tile: longer tiles amortise the widening to 16 bit
+        return LaunchConfig(block_n=128, num_warps=4, num_stages=3)
+    return LaunchConfig(block_n=64, num_warps=4, num_stages=4)
 
 
 @triton.jit
@@ -178,7 +182,7 @@ def _context_merge_kernel(
     stride_pr, stride_ps, stride_lr, stride_ls,
     stride_ob, stride_oq, stride_oh, stride_od,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr,
-    MERGE_ROWS: tl.constexpr, MERGE_COLS: tl.constexpr,
+    MERGE_ROWS: tl.constexpr, MERGE_COLS: tl.constexpr, MERGE_CHUNK: tl.constexpr,
 ):
     # grid: (ROWS / MERGE_ROWS * HEAD_DIM / MERGE_COLS, NKV, B): a [MERGE_ROWS, MERGE_COLS] tile each
     col_blocks: tl.constexpr = HEAD_DIM // MERGE_COLS
@@ -189,8 +193,8 @@ def _context_merge_kernel(
     row_mask = rows < num_q * GROUP
     count = num_splits_for(tl.load(ctx_lens_ptr + b), max_splits, min_tokens_per_split)
     prow = (b.to(tl.int64) * tl.num_programs(1) + kvh) * ROWS + rows
-    acc, m_i, l_i = merge_partial_tile(part_acc_ptr, part_lse_ptr, prow, row_mask, cols,
-                                       cols < HEAD_DIM, stride_pr, stride_ps, stride_lr, stride_ls, count)
+    acc, m_i, l_i = merge_partial_chunks(part_acc_ptr, part_lse_ptr, prow, row_mask, cols, cols < HEAD_DIM,
+                                         stride_pr, stride_ps, stride_lr, stride_ls, count, MERGE_CHUNK)
     out, _ = finalize_state(acc, m_i, l_i)
     heads = kvh * GROUP + rows % GROUP
     o_offs = (b.to(tl.int64) * stride_ob + (rows // GROUP)[:, None] * stride_oq + heads[:, None] * stride_oh
@@ -245,7 +249,7 @@ def _launch_context_attention(q, k_cache, v_cache, block_table, ctx_lens, k_nois
             part_acc, part_lse, ctx_lens, out, num_q, max_splits, min_tokens,
             part_acc.stride(0), part_acc.stride(1), part_lse.stride(0), part_lse.stride(1), *out.stride(),
             GROUP=group, HEAD_DIM=head_dim, ROWS=rows_pad, MERGE_ROWS=config.merge_rows,
-            MERGE_COLS=merge_cols, num_warps=4,
+            MERGE_COLS=merge_cols, MERGE_CHUNK=config.merge_chunk, num_warps=4,
         )
     return out
 
@@ -334,4 +338,4 @@ def paged_context_attention(q, k_cache, v_cache, block_table, ctx_lens, k_noise,
     min_tokens = 1 if num_splits is not None else split_kv.min_tokens_per_split(rows_pad)
     return _launch_context_attention(q, k_cache, v_cache, block_table, ctx_lens, k_noise, v_noise, out,
                                      scale, k_scale, v_scale, max_splits, min_tokens,
-                                     default_config(rows_pad, q.device))
+                                     default_config(rows_pad, k_cache.dtype, q.device))

@@ -36,7 +36,8 @@ Device helpers (``@triton.jit``, call them from your kernels)
     ``finalize_state(acc, m_i, l_i) -> (acc / l_i, m_i + log2(l_i))``, guarded for empty states
     ``merge_partial_tile(acc_ptr, lse_ptr, rows, row_mask, cols, col_mask, stride_acc_row,
     stride_acc_split, stride_lse_row, stride_lse_split, num_splits) -> (acc, m_i, l_i)``, an
-    unnormalised running state (output ``acc / l_i``, lse ``m_i + log2(l_i)``)
+    unnormalised running state (output ``acc / l_i``, lse ``m_i + log2(l_i)``); it loads 16
+    splits a step; ``merge_partial_chunks(..., num_splits, SPLIT_CHUNK)`` picks the step
     ``fold_state(acc, m_i, l_i, acc_x, lse_x) -> (acc, m_i, l_i)``: fold one more normalised dense state
 
 A split kernel, in outline (grid: work items x max_splits)::
@@ -64,12 +65,14 @@ import triton.language as tl
 
 # Never fewer tokens per split than this, whatever the row count (FlashInfer's floor).
 MIN_TOKENS_PER_SPLIT = 128
-# Per padded query row, this many tokens per split: partial bytes / context bytes <= 1/4 (bf16).
-TOKENS_PER_ROW = 4
+# Per padded query row, this many tokens per split: partial bytes / context bytes <= 1/2 (bf16),
+# and the partials of a small batch stay in L2, written and read back within microseconds.
+TOKENS_PER_ROW = 2
 # Cap on the grid's split dimension: more partials than this only add merge work.
 MAX_SPLITS = 64
-# Programs the split grid aims for, in multiples of the SM count (two waves hide the tail).
-WAVES = 2
+# Programs the split grid aims for, in multiples of the SM count: a small batch is latency bound
+# (a split walks one or two tiles), so several resident programs per SM hide the HBM round trips.
+WAVES = 4
 # The "SM count" the planner assumes on CPU (the interpreter), so small CPU batches still split.
 CPU_SMS = 4
 
@@ -126,25 +129,44 @@ def fold_state(acc, m_i, l_i, acc_x, lse_x):
 
 
 @triton.jit
-def merge_partial_tile(acc_ptr, lse_ptr, rows, row_mask, cols, col_mask,
-                       stride_acc_row, stride_acc_split, stride_lse_row, stride_lse_split, num_splits):
-    """Fold splits 0..num_splits-1 of the rows `rows` [R] and columns `cols` [C] of the partials.
+def merge_partial_chunks(acc_ptr, lse_ptr, rows, row_mask, cols, col_mask, stride_acc_row,
+                         stride_acc_split, stride_lse_row, stride_lse_split, num_splits,
+                         SPLIT_CHUNK: tl.constexpr):
+    """Fold splits 0..num_splits-1 of rows `rows` [R] and columns `cols` [C], SPLIT_CHUNK at a time.
 
-    Returns the unnormalised running state (acc [R, C], m_i [R], l_i [R]); finish it with
-    `finalize_state`, or fold more states in first with `fold_state`.
+    Each step loads a [R, SPLIT_CHUNK, C] block of partials at once, so the loads of many splits
+    are in flight together (a split-by-split loop waits one L2 round trip per split). Returns the
+    unnormalised running state (acc [R, C], m_i [R], l_i [R]).
     """
     rows64 = rows.to(tl.int64)
     acc = tl.zeros([rows.shape[0], cols.shape[0]], dtype=tl.float32)
     m_i = tl.full([rows.shape[0]], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([rows.shape[0]], dtype=tl.float32)
-    tile_mask = row_mask[:, None] & col_mask[None, :]
-    for split in range(0, num_splits):
-        lse_s = tl.load(lse_ptr + rows64 * stride_lse_row + split * stride_lse_split,
-                        mask=row_mask, other=float("-inf"))
-        acc_s = tl.load(acc_ptr + rows64[:, None] * stride_acc_row + split * stride_acc_split
-                        + cols[None, :], mask=tile_mask, other=0.0)
-        acc, m_i, l_i = fold_state(acc, m_i, l_i, acc_s, lse_s)
+    chunk = tl.arange(0, SPLIT_CHUNK)
+    for first in range(0, num_splits, SPLIT_CHUNK):
+        splits = first + chunk
+        live = row_mask[:, None] & (splits < num_splits)[None, :]  # [R, S]
+        lse = tl.load(lse_ptr + rows64[:, None] * stride_lse_row + splits[None, :] * stride_lse_split,
+                      mask=live, other=float("-inf"))
+        part = tl.load(acc_ptr + rows64[:, None, None] * stride_acc_row
+                       + splits[None, :, None] * stride_acc_split + cols[None, None, :],
+                       mask=live[:, :, None] & col_mask[None, None, :], other=0.0)  # [R, S, C]
+        m_new = tl.maximum(m_i, tl.max(lse, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no keys yet
+        alpha = tl.exp2(m_i - m_safe)
+        weight = tl.exp2(lse - m_safe[:, None])  # [R, S]; empty splits weigh 0
+        acc = acc * alpha[:, None] + tl.sum(part * weight[:, :, None], 1)
+        l_i = l_i * alpha + tl.sum(weight, 1)
+        m_i = m_new
     return acc, m_i, l_i
+
+
+@triton.jit
+def merge_partial_tile(acc_ptr, lse_ptr, rows, row_mask, cols, col_mask,
+                       stride_acc_row, stride_acc_split, stride_lse_row, stride_lse_split, num_splits):
+    """`merge_partial_chunks` with 16 splits a step; returns (acc [R, C], m_i [R], l_i [R])."""
+    return merge_partial_chunks(acc_ptr, lse_ptr, rows, row_mask, cols, col_mask, stride_acc_row,
+                                stride_acc_split, stride_lse_row, stride_lse_split, num_splits, 16)
 
 
 @triton.jit(do_not_specialize=["max_splits", "min_tokens_per_split"])
@@ -185,7 +207,7 @@ def min_tokens_per_split(rows_pad: int) -> int:
     """Least keys one split may take for `rows_pad` padded query rows per work item.
 
     A split writes rows_pad * (D + 1) fp32 and reads tokens * 2 * D * itemsize of K/V, so
-    TOKENS_PER_ROW * rows_pad tokens keep the partials at most a quarter of the 16-bit context.
+    TOKENS_PER_ROW * rows_pad tokens keep the partials at most half the 16-bit context.
     """
     if rows_pad < 1:
         raise ValueError(f"rows_pad must be >= 1, got {rows_pad}")
@@ -289,7 +311,7 @@ def merge_partials(partial_acc, partial_lse, lengths, out, *, rows_per_length, m
     block_rows = 16 if rows_per_length % 16 == 0 else rows_per_length
     if block_rows & (block_rows - 1):
         raise ValueError(f"rows_per_length must be a multiple of 16 or a power of two, got {rows_per_length}")
-    block_d = min(head_dim, 64)
+    block_d = min(head_dim, 32)  # a [16, 16 splits, 32] fp32 block per step: 32 registers a thread
     if head_dim & (head_dim - 1) or head_dim < 16:
         raise ValueError(f"D must be a power of two >= 16, got {head_dim}")
     has_extra = extra_acc is not None

@@ -136,13 +136,16 @@ def test_merge_partials_equals_one_softmax(with_extra):
         assert out[:rows_per_item].abs().max() == 0  # an item with no keys merges to the empty state
 
 
-def test_merge_partials_writes_lse():
+def test_merge_partials_writes_lse_over_many_chunks():
+    # 37 splits: three 16-split merge steps, the last one partly masked; empties scattered
     gen = torch.Generator().manual_seed(5)
-    num_rows, dim, max_splits = 16, 16, 3
+    num_rows, dim, max_splits = 16, 16, 37
     acc = torch.randn(num_rows, max_splits, dim, generator=gen)
     lse = torch.randn(num_rows, max_splits, generator=gen) * 5
-    lse[:, 1] = -math.inf  # an empty split in the middle
-    acc[:, 1] = 0
+    empty = torch.rand(num_rows, max_splits, generator=gen) < 0.3
+    empty[:, 0] = False
+    lse[empty] = -math.inf
+    acc[empty] = 0
     out = torch.empty(num_rows, dim, device=DEVICE)
     out_lse = torch.full((num_rows,), float("nan"), device=DEVICE)
     lens = torch.tensor([10_000], dtype=torch.int32, device=DEVICE)
