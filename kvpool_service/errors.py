@@ -58,3 +58,15 @@ STATUS_NAMES: dict[type[PoolError], str] = {
     LimitExceeded: "OUT_OF_RANGE",
     StaleEpoch: "FAILED_PRECONDITION",
 }
+
+
+class TransportError(PoolError):
+    """A remote call reached no decision of the pool: unreachable, deadline exceeded, unauthenticated.
+
+    `code` is the gRPC status code name. The pool's state is unknown to the caller after a mutation
+    fails this way (it may or may not have been applied).
+    """
+
+    def __init__(self, message: str, *, code: str):
+        super().__init__(message)
+        self.code = code

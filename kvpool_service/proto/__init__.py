@@ -1,0 +1,1 @@
+"""Generated gRPC code of protos/ (see protos/generate.py); do not edit."""

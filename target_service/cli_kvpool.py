@@ -1,0 +1,121 @@
+"""`dflash kvpool`: a standalone KV pool server (the gRPC control plane over one pool).
+
+It sizes the pool from the two checkpoints' configs and a memory budget, creates the pool memory
+(host memory in /dev/shm when there is no GPU), and serves Open / Reserve / Commit / Close,
+GetLayout and PoolStats until SIGINT or SIGTERM. The control plane never hands out memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+
+from kvpool_service.byte_size import format_bytes, parse_byte_size
+from kvpool_service.checkpoint_config import load_drafter_config, load_target_config
+from kvpool_service.spec import CONTEXT_DTYPES, PoolLayout, PoolSpec
+from target_service.cli import CliError
+
+logger = logging.getLogger(__name__)
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "kvpool", help="run a standalone KV pool server (gRPC control plane)",
+        description="Serve one paged KV pool (target K/V + draft context) over gRPC, on loopback "
+                    "unless --host says otherwise.",
+    )
+    parser.add_argument("--target", required=True, help="target checkpoint directory or its config.json")
+    parser.add_argument("--drafter", required=True, help="drafter checkpoint directory or its config.json")
+    parser.add_argument("--memory", required=True, help="pool budget: bytes, 256MiB, 40GiB, 2e9, ...")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=50051, help="port (0: any free port; default 50051)")
+    parser.add_argument("--token-file", help="bearer token file (default: $DFLASH_KVPOOL_TOKEN; "
+                                             "neither: no auth)")
+    parser.add_argument("--tokens-per-block", type=int, default=32)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="longest sequence (default: the target's max_position_embeddings)")
+    parser.add_argument("--context-dtype", choices=sorted(CONTEXT_DTYPES), default=None,
+                        help="dtype of the draft context (default: the target's dtype)")
+    parser.add_argument("--watermark", type=float, default=0.01,
+                        help="fraction of blocks admission keeps free for running sequences")
+    parser.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
+    parser.add_argument("--device", default=None, help="where the pool memory lives: cpu or cuda[:i] "
+                                                       "(default: cuda when available)")
+    parser.set_defaults(func=run)
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    if not 0 <= args.port <= 65535:
+        raise CliError(f"--port must be in 0..65535, got {args.port}")
+    for flag, value in (("--max-num-seqs", args.max_num_seqs), ("--max-model-len", args.max_model_len)):
+        if value is not None and value < 1:
+            raise CliError(f"{flag} must be >= 1, got {value}")
+    if not 0.0 <= args.watermark < 1.0:
+        raise CliError(f"--watermark must be a fraction in [0, 1), got {args.watermark}")
+
+
+def build_pool(args: argparse.Namespace):
+    """(BlockManager, PoolLayout) of the flags: the whole budget in blocks of target + draft bytes."""
+    from kvpool_service.blocks import BlockManager
+
+    _check_args(args)
+    target = load_target_config(args.target)
+    drafter = load_drafter_config(args.drafter)
+    spec = PoolSpec.from_configs(target, drafter, tokens_per_block=args.tokens_per_block,
+                                 context_dtype=args.context_dtype)
+    memory = parse_byte_size(args.memory)
+    num_blocks = spec.num_blocks(memory)
+    if num_blocks < 1:
+        raise CliError(f"--memory {args.memory} holds no block: one block of {spec.tokens_per_block} "
+                       f"tokens takes {format_bytes(spec.bytes_per_block)}")
+    layout = PoolLayout.create(spec, num_blocks)
+    blocks = BlockManager.from_layout(
+        layout, max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len or target.max_position_embeddings, watermark=args.watermark,
+        enable_prefix_caching=not args.no_prefix_caching)
+    return blocks, layout
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvpool_service.server import load_token
+
+    token = load_token(args.token_file)
+    blocks, layout = build_pool(args)
+    memory = _create_memory(layout, args.device)
+    try:
+        asyncio.run(_serve(blocks, layout, args.host, args.port, token))
+    finally:
+        if memory is not None:
+            memory.close()
+    return 0
+
+
+def _create_memory(layout: PoolLayout, device: str | None):
+    """The pool's arenas (kvpool_service.memory), on the GPU when there is one."""
+    import torch
+
+    from kvpool_service.memory import PoolMemory
+
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    memory = PoolMemory.create(layout, device)
+    logger.info("pool of %d blocks x %d tokens, %s on %s", layout.num_blocks, layout.spec.tokens_per_block,
+                format_bytes(memory.nbytes), memory.device)
+    return memory
+
+
+async def _serve(blocks, layout: PoolLayout, host: str, port: int, token: str | None) -> None:
+    from kvpool_service.server import KVPoolServer
+
+    server = await KVPoolServer.start(blocks, layout, host=host, port=port, token=token)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    # One line on stdout, so scripts started with --port 0 learn the port.
+    print(f"kvpool listening on {server.address} (epoch {layout.epoch})", flush=True)
+    await stop.wait()
+    logger.info("kvpool shutting down")
+    await server.stop(grace=2.0)
