@@ -51,9 +51,10 @@ DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
 ROTATE_BYTES, MAX_SETS = 256 << 20, 32
 K_SCALE, V_SCALE = 0.5, 2.0
 # (block_n, num_warps, num_stages) tried on the representative shapes; block_m from choose_tiles
-SMALL_SWEEP = [(64, 4, 3), (64, 4, 2), (64, 4, 4), (128, 4, 3), (128, 8, 3), (32, 4, 4)]
-PREFILL_SWEEP = [(128, 64, 8, 3), (128, 64, 8, 2), (128, 128, 8, 3), (128, 64, 8, 4), (64, 64, 4, 3),
-                 (64, 128, 4, 3)]  # (block_m, block_n, num_warps, num_stages)
+SMALL_SWEEP = [(64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 4, 3), (128, 4, 4), (256, 4, 2), (256, 8, 2)]
+PREFILL_SWEEP = [(128, 128, 8, 3), (128, 128, 8, 2), (128, 64, 8, 3), (128, 64, 8, 2)]
+# (block_m, block_n, num_warps, num_stages); the first run's sweep (bench/results) ruled out 64-row
+# prefill tiles and 32-key tiles
 
 
 class Deadline:
@@ -84,13 +85,22 @@ def time_calls(calls, device) -> float:
 
 
 def ceilings(device, smoke: bool) -> dict:
-    """Device-to-device copy bandwidth (bytes read + written) and bf16 matmul FLOP/s, random data."""
+    """Device-to-device copy bandwidth (bytes read + written) and bf16 matmul FLOP/s, random data.
+
+    The clocks idle low (345 MHz seen): a second of matmuls first, so the ceilings are not
+    measured while they ramp (the first run here read 2.77 TB/s for the copy that way).
+    """
     n, size = (1 << 20, 256) if smoke else (1 << 30, 8192)
     src = torch.randn(n, device=device, dtype=torch.bfloat16)
     dst = torch.empty_like(src)
-    copy_s = time_calls([lambda: dst.copy_(src)], device)
     a = torch.randn(size, size, device=device, dtype=torch.bfloat16)
     b = torch.randn(size, size, device=device, dtype=torch.bfloat16)
+    warm_until = time.monotonic() + (0.0 if smoke else 1.0)
+    while time.monotonic() < warm_until:
+        for _ in range(50):
+            a @ b
+        torch.cuda.synchronize()
+    copy_s = time_calls([lambda: dst.copy_(src)], device)
     mm_s = time_calls([lambda: a @ b], device)
     result = dict(copy_bytes_per_s=2 * src.nbytes / copy_s, matmul_flop_per_s=2 * size**3 / mm_s)
     log.info("ceilings: copy %.2f TB/s, bf16 matmul %.0f TFLOP/s", result["copy_bytes_per_s"] / 1e12,
@@ -139,7 +149,7 @@ def sdpa_call(q, k, v, q_len, ctx):
 
 
 def run_case(geo, pool, dtype_name, batch, ctx, q_len, tiles, device, sdpa_cache, check=True,
-             baseline=True) -> dict:
+             baseline=True, num_splits=None) -> dict:
     """Time the kernel on rotated tables; time SDPA once per shape (bf16); check against it."""
     heads, head_dim, tpb = geo["heads"], geo["head_dim"], geo["tpb"]
     pages = triton.cdiv(ctx, tpb)
@@ -155,8 +165,8 @@ def run_case(geo, pool, dtype_name, batch, ctx, q_len, tiles, device, sdpa_cache
         scales = dict(k_scale=torch.tensor(K_SCALE, device=device),
                       v_scale=torch.tensor(V_SCALE, device=device))
     launch = functools.partial(_launch_paged_attention, q, pool.k, pool.v, seq_lens=seq_lens,
-                               query_start_loc=starts, scale=None, num_splits=None, out=out, tiles=tiles,
-                               **scales)
+                               query_start_loc=starts, scale=None, num_splits=num_splits, out=out,
+                               tiles=tiles, **scales)
     seconds = time_calls([functools.partial(launch, block_table=t) for t in tables], device)
     record = dict(dtype=dtype_name, batch=batch, ctx=ctx, q_len=q_len, sets=sets, tiles=tiles._asdict(),
                   seconds=seconds, bytes=kv_bytes + 2 * q.nbytes, flops=causal_flops(geo, batch, ctx, q_len))
@@ -181,39 +191,73 @@ def run_case(geo, pool, dtype_name, batch, ctx, q_len, tiles, device, sdpa_cache
     return record
 
 
-def sweep(geo, pools, device, deadline) -> dict:
-    """Time each candidate tile on decode and verify (B 32, ctx 8192) and the prefill; keep the best."""
+def sweep_shapes(geo) -> dict:
+    """Representative (B, ctx, q_len) per regime: B 32 at the middle context, and the prefill."""
+    batch, ctx = (32 if geo is FULL else 2), geo["contexts"][1]
+    return {"decode": (batch, ctx, 1), "verify": (batch, ctx, geo["q_lens"][-1]),
+            "prefill": (1, geo["prefill"], geo["prefill"])}
+
+
+def candidates(regime, base, group) -> list[TileConfig]:
+    if regime == "prefill":
+        return [base._replace(block_q=m // group, block_m=m, block_n=n, num_warps=w, num_stages=s)
+                for m, n, w, s in PREFILL_SWEEP]
+    return [base._replace(block_n=n, num_warps=w, num_stages=s) for n, w, s in SMALL_SWEEP]
+
+
+def sweep(geo, pools, device, deadline) -> tuple[dict, dict]:
+    """Time each candidate tile per (regime, cache dtype) on its representative shape; keep the best."""
     best, rows = {}, []
-    full = geo is FULL
-    shapes = {"decode": (32 if full else 2, geo["contexts"][1], 1), "verify": (32 if full else 2,
-              geo["contexts"][1], geo["q_lens"][-1]), "prefill": (1, geo["prefill"], geo["prefill"])}
-    for regime, (batch, ctx, q_len) in shapes.items():
-        base = choose_tiles(batch * q_len, batch, geo["heads"] // geo["kv_heads"], geo["head_dim"], device)
-        candidates = ([base._replace(block_q=m // (geo["heads"] // geo["kv_heads"]), block_m=m, block_n=n,
-                                     num_warps=w, num_stages=s) for m, n, w, s in PREFILL_SWEEP]
-                      if regime == "prefill" else
-                      [base._replace(block_n=n, num_warps=w, num_stages=s) for n, w, s in SMALL_SWEEP])
-        for tiles in candidates if device.type == "cuda" else [base]:
+    group = geo["heads"] // geo["kv_heads"]
+    for dtype_name, pool in pools.items():
+        for regime, (batch, ctx, q_len) in sweep_shapes(geo).items():
+            base = choose_tiles(batch * q_len, batch, group, geo["head_dim"], device, DTYPES[dtype_name])
+            for tiles in candidates(regime, base, group) if device.type == "cuda" else [base]:
+                if deadline.passed():
+                    break
+                row = dict(regime=regime, dtype=dtype_name, tiles=tiles._asdict())
+                try:
+                    rec = run_case(geo, pool, dtype_name, batch, ctx, q_len, tiles, device, {}, check=False,
+                                   baseline=False)
+                    row["seconds"] = rec["seconds"]
+                    log.info("sweep %s %s %s: %.1f us", dtype_name, regime, tuple(tiles),
+                             row["seconds"] * 1e6)
+                except Exception as exc:  # a tile that does not fit (shared memory, registers) is skipped
+                    row["error"] = repr(exc)[:300]
+                    log.warning("sweep %s %s %s failed: %r", dtype_name, regime, tuple(tiles), exc)
+                rows.append(row)
+            timed = [r for r in rows if (r["regime"], r["dtype"]) == (regime, dtype_name) and "seconds" in r]
+            winner = TileConfig(**min(timed, key=lambda r: r["seconds"])["tiles"]) if timed else base
+            best[regime, dtype_name] = winner
+    summary = {f"{regime} {dtype}": tiles._asdict() for (regime, dtype), tiles in best.items()}
+    return dict(best=summary, rows=rows), best
+
+
+def split_sweep(geo, pools, best, device, deadline) -> list[dict]:
+    """The planned split count (None) against forced ones on small batches of long sequences."""
+    rows = []
+    one, few = geo["batches"][:2]
+    ctxs, q_len_max = geo["contexts"], geo["q_lens"][-1]
+    for batch, ctx, q_len in ((one, ctxs[1], 1), (few, ctxs[1], 1), (one, ctxs[-1], q_len_max),
+                              (few, ctxs[0], q_len_max)):
+        for num_splits in (None, 1, 4, 16, 64):
             if deadline.passed():
-                break
-            try:
-                rec = run_case(geo, pools["bf16"], "bf16", batch, ctx, q_len, tiles, device, {}, check=False,
-                               baseline=False)
-                rows.append(dict(regime=regime, tiles=tiles._asdict(), seconds=rec["seconds"]))
-                log.info("sweep %s %s: %.1f us", regime, tuple(tiles), rec["seconds"] * 1e6)
-            except Exception as exc:  # a tile that does not fit (shared memory, registers) is skipped
-                rows.append(dict(regime=regime, tiles=tiles._asdict(), error=repr(exc)[:300]))
-                log.warning("sweep %s %s failed: %r", regime, tuple(tiles), exc)
-        timed = [r for r in rows if r["regime"] == regime and "seconds" in r]
-        best[regime] = TileConfig(**min(timed, key=lambda r: r["seconds"])["tiles"]) if timed else base
-    return dict(best={k: v._asdict() for k, v in best.items()}, rows=rows), best
+                continue
+            tiles = tiles_for(best, geo, batch, q_len, device, "bf16")
+            rec = run_case(geo, pools["bf16"], "bf16", batch, ctx, q_len, tiles, device, {}, check=False,
+                           baseline=False, num_splits=num_splits)
+            rows.append(dict(batch=batch, ctx=ctx, q_len=q_len, num_splits=num_splits,
+                             seconds=rec["seconds"]))
+            log.info("splits B%d ctx%d q%d %s: %.1f us", batch, ctx, q_len, num_splits, rec["seconds"] * 1e6)
+    return rows
 
 
-def tiles_for(best, geo, batch, q_len, device) -> TileConfig:
-    base = choose_tiles(batch * q_len, batch, geo["heads"] // geo["kv_heads"], geo["head_dim"], device)
+def tiles_for(best, geo, batch, q_len, device, dtype_name) -> TileConfig:
+    group = geo["heads"] // geo["kv_heads"]
+    base = choose_tiles(batch * q_len, batch, group, geo["head_dim"], device, DTYPES[dtype_name])
     if base.block_m >= 128 or q_len > 16:
-        return best["prefill"]
-    tuned = best["decode" if q_len == 1 else "verify"]
+        return best["prefill", dtype_name]
+    tuned = best["decode" if q_len == 1 else "verify", dtype_name]
     return base._replace(block_n=tuned.block_n, num_warps=tuned.num_warps, num_stages=tuned.num_stages)
 
 
@@ -231,7 +275,7 @@ def run_all(geo, device, deadline) -> dict:
                     if deadline.passed():
                         log.warning("budget spent: skipping %s q%d B%d ctx%d", dtype_name, q_len, batch, ctx)
                         continue
-                    tiles = tiles_for(best, geo, batch, q_len, device)
+                    tiles = tiles_for(best, geo, batch, q_len, device, dtype_name)
                     rec = run_case(geo, pools[dtype_name], dtype_name, batch, ctx, q_len, tiles, device,
                                    sdpa_cache, check=batch * ctx <= (1 << 20))
                     cases.append(rec)
@@ -240,8 +284,9 @@ def run_all(geo, device, deadline) -> dict:
                              if rec["sdpa_seconds"] else "-")
         prefill = geo["prefill"]
         cases.append(run_case(geo, pools[dtype_name], dtype_name, 1, prefill, prefill,
-                              tiles_for(best, geo, 1, prefill, device), device, sdpa_cache))
+                              tiles_for(best, geo, 1, prefill, device, dtype_name), device, sdpa_cache))
         cases[-1]["kind"] = "prefill"
+    sweep_result["splits"] = split_sweep(geo, pools, best, device, deadline)
     return dict(sweep=sweep_result, cases=cases)
 
 
@@ -285,10 +330,15 @@ def markdown(result) -> str:
             lines.append(f"| {c['dtype']} | {c['q_len']} | {c['seconds'] * 1e3:.3f} | {sdpa} | "
                          f"{c['flops_floor_s'] * 1e3:.3f} | {c['flops'] / c['seconds'] / 1e12:.0f} | "
                          f"{c['pct_matmul']:.0f} | {c['speedup_vs_sdpa'] or 0:.2f} |")
-    lines += ["", "Tile sweep (bf16; best per regime used above):", ""]
+    lines += ["", "Tile sweep (B 32 ctx 8192 for decode/verify; tiles as block_q, block_m, block_n, "
+              "warps, stages; the best per regime and cache dtype is used above):", ""]
     for r in result["sweep"]["rows"]:
         timed = f"{r['seconds'] * 1e6:.1f} us" if "seconds" in r else f"failed ({r['error'][:80]})"
-        lines.append(f"- {r['regime']} {tuple(r['tiles'].values())}: {timed}")
+        lines.append(f"- {r['dtype']} {r['regime']} {tuple(r['tiles'].values())}: {timed}")
+    lines += ["", "Split-KV: planned (None) against forced split counts, bf16:", "",
+              "| B | ctx | q_len | num_splits | us |", "|---|---|---|---|---|"]
+    lines += [f"| {r['batch']} | {r['ctx']} | {r['q_len']} | {r['num_splits']} | {r['seconds'] * 1e6:.1f} |"
+              for r in result["sweep"].get("splits", [])]
     return "\n".join(lines) + "\n"
 
 
@@ -306,6 +356,10 @@ def summary(result) -> list[str]:
         if c.get("kind") == "prefill":
             lines.append(f"- {c['dtype']} prefill {c['q_len']} tokens: {c['pct_matmul']:.0f}% of bf16 matmul "
                          f"throughput (target >= 50%)")
+    errs = [c["rel_err_vs_sdpa"] for c in result["cases"] if "rel_err_vs_sdpa" in c]
+    if errs:
+        lines.append(f"- output vs SDPA over dense: max relative L2 error {max(errs):.1e} over {len(errs)} "
+                     "cases")
     slower = [c for c in result["cases"] if c["speedup_vs_sdpa"] and c["speedup_vs_sdpa"] < 1]
     lines.append(f"- slower than SDPA over dense in {len(slower)} of "
                  f"{sum(1 for c in result['cases'] if c['speedup_vs_sdpa'])} cases" + (": " + ", ".join(
@@ -373,8 +427,10 @@ def main(argv=None) -> None:
     result = dict(meta=dict(device=name, commit=args.commit, date=now,
                             torch=torch.__version__, triton=triton.__version__,
                             command="PYTHONPATH=. python " + " ".join(sys.argv), geometry=geo))
-    result["ceilings"] = ceilings(device, args.smoke)
+    first = ceilings(device, args.smoke)
     result.update(run_all(geo, device, deadline))
+    last = ceilings(device, args.smoke)  # again, warm: the higher of the two is the ceiling
+    result["ceilings"] = {k: max(first[k], last[k]) for k in first} | dict(first=first, last=last)
     annotate(result)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "paged_attention.json").write_text(json.dumps(result, indent=1))

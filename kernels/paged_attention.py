@@ -28,6 +28,7 @@ MAX_HEAD_DIM = 256
 PREFILL_ROWS = 128
 # Mean queries per sequence above which a batch is treated as prefill-heavy.
 MAX_VERIFY_QUERIES = 16
+MAX_KEY_TILE_BYTES = 32 << 10
 
 _DOT_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
@@ -42,8 +43,16 @@ class TileConfig(NamedTuple):
     num_stages: int
 
 
-def choose_tiles(num_tokens: int, num_seqs: int, group: int, head_dim: int,
-                 device: torch.device) -> TileConfig:
+# (block_n, num_warps, num_stages) per regime and cache element size on a GPU: the winners of the
+# H200 sweep recorded in bench/results/paged_attention.md (Qwen3-8B geometry, D 128).
+GPU_TILES = {
+    ("decode", 2): (128, 4, 3), ("verify", 2): (64, 4, 2), ("prefill", 2): (128, 8, 3),
+    ("decode", 1): (128, 4, 3), ("verify", 1): (64, 4, 2), ("prefill", 1): (128, 8, 3),
+}
+
+
+def choose_tiles(num_tokens: int, num_seqs: int, group: int, head_dim: int, device: torch.device,
+                 cache_dtype: torch.dtype = torch.bfloat16) -> TileConfig:
     """Tiles from static shapes only (T and B are fixed for a captured batch), never from lengths.
 
     A mean of <= 16 queries per sequence (decode, verify, or a mix) gets the smallest tile that
@@ -52,17 +61,22 @@ def choose_tiles(num_tokens: int, num_seqs: int, group: int, head_dim: int,
     """
     mean_q = triton.cdiv(num_tokens, max(num_seqs, 1))
     if mean_q <= MAX_VERIFY_QUERIES:
+        regime = "decode" if mean_q == 1 else "verify"
         block_q = max(triton.next_power_of_2(mean_q), 16 // group if group < 16 else 1)
     else:
+        regime = "prefill"
         rows = PREFILL_ROWS if head_dim <= 128 else PREFILL_ROWS // 2
         block_q = max(1, rows // group)
     block_m = max(16, triton.next_power_of_2(block_q * group))
     if device.type != "cuda":
         # The interpreter: small key tiles so tests cross tiles and pages at tiny lengths.
         return TileConfig(block_q, block_m, 16, 4, 1)
-    if block_m >= 128:
-        return TileConfig(block_q, block_m, 64, 8, 3)
-    return TileConfig(block_q, block_m, 64, 4, 3)
+    block_n, num_warps, num_stages = GPU_TILES[regime, min(2, cache_dtype.itemsize)]
+    # The sweep's tiles hold <= 32 KiB of K per stage (bf16, D 128): wider keys (fp32, D 256) get
+    # fewer of them so the pipelined stages still fit in shared memory.
+    while block_n > 16 and block_n * head_dim * cache_dtype.itemsize > MAX_KEY_TILE_BYTES:
+        block_n //= 2
+    return TileConfig(block_q, block_m, block_n, num_warps, num_stages)
 
 
 def _is_scale(value) -> bool:
@@ -175,7 +189,7 @@ def _launch_paged_attention(q, k_cache, v_cache, block_table, seq_lens, query_st
     batch = seq_lens.shape[0]
     if num_tokens == 0 or batch == 0:
         return out
-    tiles = tiles or choose_tiles(num_tokens, batch, group, head_dim, q.device)
+    tiles = tiles or choose_tiles(num_tokens, batch, group, head_dim, q.device, k_cache.dtype)
     num_items = max(batch, triton.cdiv(num_tokens, tiles.block_q)) * num_kv_heads
     max_splits, min_tokens = _split_plan(num_items, num_heads, head_dim, tiles, num_splits, q.device)
     split = max_splits > 1
