@@ -13,7 +13,7 @@ import sys
 
 from pydantic import ValidationError
 
-SUBCOMMAND_MODULES = ("target_service.cli_plan", "target_service.cli_generate")
+SUBCOMMAND_MODULES = ("target_service.cli_plan", "target_service.cli_generate", "target_service.cli_train")
 USAGE_ERROR = 2
 
 
