@@ -3,7 +3,8 @@
 Pure bookkeeping over ints (no tensors, no gRPC): the engine copies `block_table` rows into a device
 tensor, the gRPC server translates protos into these calls. Every entry point is batched (the
 scheduler calls once per step for the whole batch) and all-or-nothing: it validates and counts
-first and raises a typed error (kvpool_service.errors) before anything changes.
+first and raises a typed error (kvpool_service.errors) before anything changes. Requests are the
+NamedTuples of kvpool_service.control or plain tuples in the same field order (the server's).
 
 Every block is in exactly one state:
   free    - on the free list, holds nothing anyone can use;

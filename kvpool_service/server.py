@@ -27,7 +27,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvpool_service.blocks import BlockManager
-from kvpool_service.control import CommitRequest, OpenRequest, ReserveRequest
+from kvpool_service.control import OpenRequest
 from kvpool_service.errors import STATUS_NAMES, InvalidRequest, PoolError, PoolExhausted
 from kvpool_service.proto import kvpool_pb2 as pb
 from kvpool_service.proto import kvpool_pb2_grpc
@@ -82,7 +82,8 @@ class KVPoolServicer(kvpool_pb2_grpc.KVPoolServicer):
     async def Reserve(self, request: pb.ReserveRequest, context) -> pb.ReserveResponse:
         self._check_epoch(request.epoch)
         _check_parallel(request, "seq_ids", "lengths")
-        appended = self.blocks.reserve(list(map(ReserveRequest, request.seq_ids, request.lengths)))
+        # Plain (seq_id, length) tuples: a ReserveRequest is one, and lists iterate faster than protos.
+        appended = self.blocks.reserve(list(zip(list(request.seq_ids), list(request.lengths))))
         return pb.ReserveResponse(num_new_blocks=[len(new) for new in appended],
                                   block_ids=list(itertools.chain.from_iterable(appended)))
 
@@ -126,20 +127,23 @@ def _check_parallel(request, *fields: str) -> None:
         raise InvalidRequest(f"the per-sequence arrays must have one entry per sequence: {sizes}")
 
 
-def _commit_requests(request: pb.CommitRequest) -> list[CommitRequest]:
+def _commit_requests(request: pb.CommitRequest) -> list[tuple]:
     """Split the back-to-back token ids by num_new_token_ids (both empty: no new ids)."""
-    counts, token_ids, n = request.num_new_token_ids, request.token_ids, len(request.seq_ids)
+    # Repeated fields copied to lists first, and plain tuples in CommitRequest's field order: iterating
+    # and slicing lists, and building tuples, is several times cheaper than the proto containers.
+    seq_ids, num_tokens = list(request.seq_ids), list(request.num_tokens)
+    num_context = list(request.num_context)
+    counts, token_ids = list(request.num_new_token_ids), list(request.token_ids)
     if not counts:
         if token_ids:
             raise InvalidRequest("token_ids were sent without num_new_token_ids to split them")
-        return list(map(CommitRequest, request.seq_ids, request.num_tokens, request.num_context))
-    if len(counts) != n or sum(counts) != len(token_ids):
-        raise InvalidRequest(f"num_new_token_ids must have {n} entries summing to the {len(token_ids)} "
-                             f"token_ids; it has {len(counts)} summing to {sum(counts)}")
-    stops = list(itertools.accumulate(counts))
-    return [CommitRequest(seq_id, num_tokens, num_context, token_ids[stop - count:stop])
-            for seq_id, num_tokens, num_context, count, stop
-            in zip(request.seq_ids, request.num_tokens, request.num_context, counts, stops)]
+        return list(zip(seq_ids, num_tokens, num_context, [()] * len(seq_ids)))
+    if len(counts) != len(seq_ids) or sum(counts) != len(token_ids):
+        raise InvalidRequest(f"num_new_token_ids must have {len(seq_ids)} entries summing to the "
+                             f"{len(token_ids)} token_ids; it has {len(counts)} summing to {sum(counts)}")
+    stops = itertools.accumulate(counts)
+    return [(s, t, c, token_ids[stop - count:stop])
+            for s, t, c, count, stop in zip(seq_ids, num_tokens, num_context, counts, stops)]
 
 
 _UNREADABLE = object()
