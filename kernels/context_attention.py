@@ -202,12 +202,14 @@ def _context_merge_kernel(
     tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
 
 
-def _compute_dtype(q: torch.Tensor, cache_dtype: torch.dtype):
-    """Dot operand dtype and precision: 16-bit tensor cores on a GPU, fp32 in the interpreter."""
+def _compute_dtype(q: torch.Tensor):
+    """Dot operands: q's 16-bit dtype on a GPU (an fp8 context is widened to it), else exact fp32.
+
+    The interpreter has no bf16/fp8 arithmetic, so on CPU every operand is fp32.
+    """
     if q.device.type != "cuda" or q.dtype == torch.float32:
         return tl.float32, "ieee"
-    del cache_dtype  # fp8 context is widened to q's 16-bit dtype before the dot
-    return (tl.bfloat16 if q.dtype == torch.bfloat16 else tl.float16), "tf32"
+    return (tl.bfloat16 if q.dtype == torch.bfloat16 else tl.float16), "tf32"  # tf32: the default
 
 
 def _launch_context_attention(q, k_cache, v_cache, block_table, ctx_lens, k_noise, v_noise, out,
@@ -229,7 +231,7 @@ def _launch_context_attention(q, k_cache, v_cache, block_table, ctx_lens, k_nois
         part_acc = part_lse = out  # unused by the single-pass variant
     k_arg, k_mode = scale_argument(k_scale)
     v_arg, v_mode = scale_argument(v_scale)
-    compute, precision = _compute_dtype(q, k_cache.dtype)
+    compute, precision = _compute_dtype(q)
     _context_attention_kernel[(num_kv_heads, batch, max_splits)](
         q, k_cache, v_cache, block_table, ctx_lens, k_noise, v_noise, out, part_acc, part_lse,
         k_arg, v_arg, scale * LOG2E, num_q, max_splits, min_tokens,
