@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import os
 import platform
 import random
 import statistics
@@ -84,7 +85,10 @@ def machine() -> str:
                 break
     except OSError:
         pass
-    return f"{cpu}, Python {platform.python_version()}, {platform.system()} {platform.release()}"
+    cores, load = os.cpu_count(), os.getloadavg()[0]
+    # The 1-minute load says how much the other processes competed for the cores (and so the p99).
+    return (f"{cpu}, {cores} cores, 1-min load {load:.1f} at the end, Python {platform.python_version()}, "
+            f"{platform.system()} {platform.release()}")
 
 
 def main() -> int:
