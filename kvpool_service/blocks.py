@@ -22,12 +22,15 @@ from array import array
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 # The control vocabulary lives in kvpool_service.control; it is importable from here too.
 from kvpool_service.control import CommitRequest, OpenRequest, OpenResult, PoolUsage, ReserveRequest
 from kvpool_service.errors import InvalidRequest, LimitExceeded, PoolExhausted, StaleEpoch, UnknownSequence
 from kvpool_service.prefix_cache import BlockHash, PrefixCache, hash_block, hash_chain
+
+if TYPE_CHECKING:
+    from kvpool_service.spec import PoolLayout
 
 TOKEN_TYPECODE = "I"  # token ids are stored as unsigned 32-bit ints
 assert array(TOKEN_TYPECODE).itemsize == 4
@@ -114,8 +117,9 @@ class BlockManager:
         self._seqs: dict[int, SequenceBlocks] = {}
 
     @classmethod
-    def from_layout(cls, layout, *, max_num_seqs: int, max_model_len: int, **kwargs) -> BlockManager:
-        """The manager of a live pool (`kvpool_service.spec.PoolLayout`): its blocks and epoch."""
+    def from_layout(cls, layout: PoolLayout, *, max_num_seqs: int, max_model_len: int,
+                    **kwargs) -> BlockManager:
+        """The manager of a live pool: its blocks, tokens per block and epoch."""
         return cls(layout.num_blocks, layout.spec.tokens_per_block, max_num_seqs=max_num_seqs,
                    max_model_len=max_model_len, epoch=layout.epoch, **kwargs)
 
@@ -189,7 +193,8 @@ class BlockManager:
         if len(plans) > len(self._free_slots):
             raise PoolExhausted(
                 f"{len(plans)} sequences to open but only {len(self._free_slots)} of "
-                f"{self.max_num_seqs} slots are free", needed=len(plans), available=len(self._free_slots))
+                f"{self.max_num_seqs} slots are free", needed=len(plans), available=len(self._free_slots),
+                resource="slots")
         # Hits on cached (refcount 0) blocks take them out of the evictable set before any allocation.
         revived = {block for plan in plans for block in plan.hits if self._ref_count[block] == 0}
         needed = sum(plan.num_new_blocks for plan in plans)

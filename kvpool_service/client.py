@@ -22,7 +22,16 @@ from kvpool_service.control import (
     PoolUsage,
     ReserveRequest,
 )
-from kvpool_service.errors import STATUS_NAMES, InvalidRequest, PoolExhausted, TransportError, UnknownSequence
+from kvpool_service.errors import (
+    AVAILABLE_KEY,
+    NEEDED_KEY,
+    RESOURCE_KEY,
+    STATUS_NAMES,
+    InvalidRequest,
+    PoolExhausted,
+    TransportError,
+    UnknownSequence,
+)
 from kvpool_service.proto import kvpool_pb2 as pb
 from kvpool_service.proto import kvpool_pb2_grpc
 
@@ -36,8 +45,9 @@ def _typed_error(error: grpc.RpcError) -> Exception:
     cls = _ERROR_OF_CODE.get(code)
     if cls is PoolExhausted:
         trailing = dict(error.trailing_metadata() or ())
-        return PoolExhausted(details, needed=int(trailing.get("dflash-blocks-needed", 0)),
-                             available=int(trailing.get("dflash-blocks-available", 0)))
+        return PoolExhausted(details, needed=int(trailing.get(NEEDED_KEY, 0)),
+                             available=int(trailing.get(AVAILABLE_KEY, 0)),
+                             resource=trailing.get(RESOURCE_KEY, "blocks"))
     if cls is not None:
         return cls(details)
     return TransportError(f"{code.name}: {details}", code=code.name)

@@ -16,14 +16,15 @@ class PoolError(Exception):
 class PoolExhausted(PoolError):
     """Not enough free blocks (or slots) now; the scheduler may preempt or wait and retry.
 
-    `needed` and `available` count blocks (slots for a slot shortage); `needed - available` is how
-    many the caller must release before the same request can succeed.
+    `resource` says what ran out, "blocks" or "slots"; `needed` and `available` count it, and
+    `shortfall` is how many the caller must release before the same request can succeed.
     """
 
-    def __init__(self, message: str, *, needed: int = 0, available: int = 0):
+    def __init__(self, message: str, *, needed: int = 0, available: int = 0, resource: str = "blocks"):
         super().__init__(message)
         self.needed = needed
         self.available = available
+        self.resource = resource
 
     @property
     def shortfall(self) -> int:
@@ -49,6 +50,9 @@ class LimitExceeded(PoolError, ValueError):
 class StaleEpoch(PoolError):
     """The caller's epoch belongs to another incarnation of the pool; it must fetch the layout again."""
 
+
+# Trailing metadata of RESOURCE_EXHAUSTED, so a remote caller gets PoolExhausted's fields back.
+RESOURCE_KEY, NEEDED_KEY, AVAILABLE_KEY = "dflash-resource", "dflash-needed", "dflash-available"
 
 # gRPC status code names (grpc.StatusCode.<name>) of each error; server and client share this table.
 STATUS_NAMES: dict[type[PoolError], str] = {

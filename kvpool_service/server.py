@@ -28,7 +28,15 @@ from grpc_reflection.v1alpha import reflection
 
 from kvpool_service.blocks import BlockManager
 from kvpool_service.control import OpenRequest
-from kvpool_service.errors import STATUS_NAMES, InvalidRequest, PoolError, PoolExhausted
+from kvpool_service.errors import (
+    AVAILABLE_KEY,
+    NEEDED_KEY,
+    RESOURCE_KEY,
+    STATUS_NAMES,
+    InvalidRequest,
+    PoolError,
+    PoolExhausted,
+)
 from kvpool_service.proto import kvpool_pb2 as pb
 from kvpool_service.proto import kvpool_pb2_grpc
 from kvpool_service.spec import PoolLayout
@@ -38,8 +46,6 @@ logger = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KVPool"].full_name  # "dflash.kvpool.v1.KVPool"
 TOKEN_ENV = "DFLASH_KVPOOL_TOKEN"
 HEALTH_PREFIX = f"/{health.SERVICE_NAME}/"
-# Trailing metadata of RESOURCE_EXHAUSTED: how many blocks (or slots) were needed and available.
-NEEDED_KEY, AVAILABLE_KEY = "dflash-blocks-needed", "dflash-blocks-available"
 
 
 def load_token(token_file: str | Path | None = None, env: str = TOKEN_ENV) -> str | None:
@@ -178,7 +184,8 @@ class _StatusMapper(grpc.aio.ServerInterceptor):
                 code = getattr(grpc.StatusCode, STATUS_NAMES[_error_class(error)])
                 trailing = ()
                 if isinstance(error, PoolExhausted):
-                    trailing = ((NEEDED_KEY, str(error.needed)), (AVAILABLE_KEY, str(error.available)))
+                    trailing = ((RESOURCE_KEY, error.resource), (NEEDED_KEY, str(error.needed)),
+                                (AVAILABLE_KEY, str(error.available)))
                 await context.abort(code, str(error), trailing_metadata=trailing)
             except Exception:
                 logger.exception("%s failed unexpectedly", method)

@@ -85,8 +85,13 @@ def test_refusals_raise_the_same_typed_errors(pool):
         pool.open([OpenRequest(-5, [1])])
     with pytest.raises(PoolExhausted) as info:  # 3 slots, 12 blocks: 2 x 7 more blocks do not fit in 11
         pool.open([OpenRequest(2, [1] * 112), OpenRequest(3, [1] * 112)])
-    assert (info.value.needed, info.value.available, info.value.shortfall) == (14, 11, 3)
-    assert pool.stats().num_seqs == 1
+    assert (info.value.resource, info.value.needed, info.value.available, info.value.shortfall) == (
+        "blocks", 14, 11, 3)
+    pool.open([OpenRequest(2, [1]), OpenRequest(3, [1])])
+    with pytest.raises(PoolExhausted, match="slots") as info:  # all 3 slots taken
+        pool.open([OpenRequest(4, [1])])
+    assert (info.value.resource, info.value.needed, info.value.available) == ("slots", 1, 0)
+    assert pool.stats().num_seqs == 3
 
 
 def test_a_restarted_pool_refuses_the_old_epoch_until_the_client_reconnects():

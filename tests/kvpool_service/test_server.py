@@ -112,7 +112,8 @@ def test_out_of_blocks_is_resource_exhausted_with_counts_in_trailing_metadata(se
     assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "reserve needs 28 blocks; 20 are available" in error.details()
     trailing = dict(error.trailing_metadata())
-    assert (trailing["dflash-blocks-needed"], trailing["dflash-blocks-available"]) == ("28", "20")
+    assert (trailing["dflash-resource"], trailing["dflash-needed"], trailing["dflash-available"]) == (
+        "blocks", "28", "20")
     assert snapshot(blocks) == before
 
 
