@@ -33,16 +33,23 @@ def reference(target, prompt):
     return ids
 
 
-def first_repeat_free_index(ids: list[int], start: int = 3) -> int:
-    """An index i >= start whose token does not occur before it (so it stops exactly there)."""
-    return next(i for i in range(start, len(ids)) if ids[i] not in ids[:i])
+def stop_case(target):
+    """(prompt, reference ids, i): token i does not occur before i, so stopping on it stops exactly
+    there, and it is an ordinary word (ids 0..2 are the tokenizer's <unk>, <s>, </s>); config.json's
+    EOS (2) does not occur before it either. Random models often loop on one token, so draw prompts
+    until one has such an i >= 1."""
+    for _ in range(20):
+        prompt = random_prompts(1, 160)[0]
+        ids = reference(target, prompt)
+        found = [i for i in range(1, len(ids)) if ids[i] not in ids[:i] and ids[i] > 2 and 2 not in ids[:i]]
+        if found:
+            return prompt, ids, found[-1]
+    raise AssertionError("no prompt gave a usable reference")
 
 
 def test_stop_token_id_ends_at_its_first_occurrence(pair):
     target, drafter = pair
-    prompt = random_prompts(1, 160)[0]
-    ids = reference(target, prompt)
-    i = first_repeat_free_index(ids)
+    prompt, ids, i = stop_case(target)
     llm = speculative(target, drafter)
     out = llm.generate([prompt], greedy(stop_token_ids=[ids[i]]))[0].outputs[0]
     assert out.token_ids == ids[: i + 1] and out.finish_reason == "stop"
@@ -51,9 +58,7 @@ def test_stop_token_id_ends_at_its_first_occurrence(pair):
 
 def test_eos_from_generation_config_ends_unless_ignored(pair):
     target, drafter = pair
-    prompt = random_prompts(1, 160)[0]
-    ids = reference(target, prompt)
-    i = first_repeat_free_index(ids)
+    prompt, ids, i = stop_case(target)
     (target / "generation_config.json").write_text(json.dumps({"eos_token_id": [ids[i]]}))
     llm = speculative(target, drafter)
     out = llm.generate([prompt], greedy(ignore_eos=False))[0].outputs[0]
@@ -66,14 +71,17 @@ def test_eos_from_generation_config_ends_unless_ignored(pair):
 
 def test_stop_string_cuts_the_text_before_it(pair):
     target, drafter = pair
-    prompt = random_prompts(1, 160)[0]
-    ids = reference(target, prompt)
-    i = first_repeat_free_index(ids)
-    word = f"w{ids[i]}"
     llm = speculative(target, drafter)
-    out = llm.generate([prompt], greedy(stop=[word]))[0].outputs[0]
+    for _ in range(20):  # a word that is not a substring of the text before it ("w14" is in "w149")
+        prompt, ids, _ = stop_case(target)
+        words = [llm.tokenizer.id_to_token(t) for t in ids]  # vocabulary lookup, not the decoder
+        found = [i for i in range(1, len(ids)) if ids[i] > 2 and words[i] not in " ".join(words[:i])]
+        if found:
+            break
+    i = found[-1]
+    out = llm.generate([prompt], greedy(stop=[words[i]]))[0].outputs[0]
     assert out.token_ids == ids[: i + 1] and out.finish_reason == "stop"
-    assert out.text == " ".join(f"w{t}" for t in ids[:i]) + " "
+    assert out.text == " ".join(words[:i]) + " "
     llm.close()
 
 
@@ -97,7 +105,8 @@ def test_strings_are_tokenized_and_outputs_detokenized(pair):
     llm = speculative(target, drafter)
     out = llm.generate("w5 w9 w17", greedy(max_tokens=4))[0]
     assert out.prompt_token_ids == [5, 9, 17] and out.prompt == "w5 w9 w17"
-    assert out.outputs[0].text == " ".join(f"w{t}" for t in out.outputs[0].token_ids)
+    words = [llm.tokenizer.id_to_token(t) for t in out.outputs[0].token_ids]  # vocabulary lookup
+    assert out.outputs[0].text == " ".join(words)
     llm.close()
 
 
