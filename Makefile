@@ -34,5 +34,8 @@ test: setup
 lint: setup
 	$(BIN)/ruff check .
 
+proto: setup  # regenerate kvpool_service/proto from protos/ (tests fail when it is stale)
+	$(BIN)/python protos/generate.py
+
 clean:
 	rm -rf $(VENV)

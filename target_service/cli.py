@@ -13,7 +13,13 @@ import sys
 
 from pydantic import ValidationError
 
-SUBCOMMAND_MODULES = ("target_service.cli_plan", "target_service.cli_generate", "target_service.cli_train")
+SUBCOMMAND_MODULES = (
+    "target_service.cli_plan",
+    "target_service.cli_generate",
+    "target_service.cli_kvpool",
+    "target_service.cli_admin",
+    "target_service.cli_train",
+)
 USAGE_ERROR = 2
 
 

@@ -13,6 +13,7 @@ from target_service.llm import LLM
 from target_service.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+pytestmark = pytest.mark.usefixtures("pool_transport")
 
 
 def reference_outputs(target, prompts, params=GREEDY):

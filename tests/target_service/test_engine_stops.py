@@ -10,6 +10,8 @@ from engine_helpers import make_pair, random_prompts
 from target_service.llm import LLM
 from target_service.sampling_params import SamplingParams
 
+pytestmark = pytest.mark.usefixtures("pool_transport")
+
 
 def greedy(**fields):
     return SamplingParams(temperature=0, **{"max_tokens": 30, "ignore_eos": True, **fields})

@@ -1,0 +1,34 @@
+"""`pool_transport`: run an engine test against the in-process pool and against a remote one.
+
+"remote" puts the engine's BlockManager behind a real gRPC server on loopback and hands the
+scheduler a KVPoolClient, so every open / reserve / commit / close of the test crosses the wire.
+"""
+
+import pytest
+
+import target_service.llm as llm_module
+from kvpool_service.client import KVPoolClient
+from kvpool_service.server import BackgroundServer
+
+
+@pytest.fixture(params=["local", "remote"])
+def pool_transport(request, monkeypatch):
+    if request.param == "local":
+        yield "local"
+        return
+    servers = []
+    build = llm_module.build_engine
+
+    def build_with_remote_pool(args):
+        engine, tokenizer, memory = build(args)
+        server = BackgroundServer(engine.scheduler.pool, memory.layout).start()
+        servers.append(server)
+        client = KVPoolClient(server.address)
+        client.connect()
+        engine.scheduler.pool = client
+        return engine, tokenizer, memory
+
+    monkeypatch.setattr(llm_module, "build_engine", build_with_remote_pool)
+    yield "remote"
+    for server in servers:
+        server.stop()
