@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from drafter_service.draft_batch import DraftBatch
-from drafter_service.weights import WeightSlot
+from drafter_service.weights import WeightSlot, empty_param
 from kernels import paged_context_attention, store_kv
 from kernels.layers import LayerCache, RotaryEmbedding, apply_rope, as_layer_caches, rms_norm, swiglu
 from kvpool_service.checkpoint_config import ConfigError, DrafterConfig
@@ -34,10 +34,6 @@ class DraftOutput(NamedTuple):
     logits: torch.Tensor | None
 
 
-def _param(shape: Sequence[int], dtype: torch.dtype, device) -> nn.Parameter:
-    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
-
-
 class DraftLayer(nn.Module):
     """One draft layer's own weights; its k/v projection and k_norm live stacked in the model."""
 
@@ -48,13 +44,13 @@ class DraftLayer(nn.Module):
             config.num_attention_heads, config.num_key_value_heads, head_dim,
         )
         self.eps = config.rms_norm_eps
-        self.input_layernorm = _param([hidden], dtype, device)
-        self.q_proj = _param([self.num_heads * head_dim, hidden], dtype, device)
-        self.q_norm = _param([head_dim], dtype, device)
-        self.o_proj = _param([hidden, self.num_heads * head_dim], dtype, device)
-        self.post_attention_layernorm = _param([hidden], dtype, device)
-        self.gate_up_proj = _param([2 * config.intermediate_size, hidden], dtype, device)
-        self.down_proj = _param([hidden, config.intermediate_size], dtype, device)
+        self.input_layernorm = empty_param([hidden], dtype, device)
+        self.q_proj = empty_param([self.num_heads * head_dim, hidden], dtype, device)
+        self.q_norm = empty_param([head_dim], dtype, device)
+        self.o_proj = empty_param([hidden, self.num_heads * head_dim], dtype, device)
+        self.post_attention_layernorm = empty_param([hidden], dtype, device)
+        self.gate_up_proj = empty_param([2 * config.intermediate_size, hidden], dtype, device)
+        self.down_proj = empty_param([hidden, config.intermediate_size], dtype, device)
 
     def forward(self, x, kv_proj, k_norm, cos, sin, batch: DraftBatch, cache: LayerCache) -> torch.Tensor:
         """x [B, Q, H] noise residual stream; kv_proj [2 * NKV * D, H] (k rows over v rows); k_norm [D]."""
@@ -119,12 +115,12 @@ class DFlashDrafter(nn.Module):
                                       config.max_position_embeddings)
         hidden, layers = config.hidden_size, config.num_hidden_layers
         self.kv_rows = config.num_key_value_heads * config.head_dim
-        self.fc = _param([hidden, len(config.target_layer_ids) * hidden], dtype, device)
-        self.hidden_norm = _param([hidden], dtype, device)
-        self.kv_proj = _param([layers * 2 * self.kv_rows, hidden], dtype, device)
-        self.k_norm = _param([layers * config.head_dim], dtype, device)
+        self.fc = empty_param([hidden, len(config.target_layer_ids) * hidden], dtype, device)
+        self.hidden_norm = empty_param([hidden], dtype, device)
+        self.kv_proj = empty_param([layers * 2 * self.kv_rows, hidden], dtype, device)
+        self.k_norm = empty_param([layers * config.head_dim], dtype, device)
         self.layers = nn.ModuleList(DraftLayer(config, dtype, device) for _ in range(layers))
-        self.norm = _param([hidden], dtype, device)
+        self.norm = empty_param([hidden], dtype, device)
 
     @property
     def target_layer_ids(self) -> list[int]:

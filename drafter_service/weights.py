@@ -167,3 +167,8 @@ def load_weights(
             slot = layout[name]
             params[slot.param][slot.row : slot.row + slot.shape[0]].copy_(tensor)
             meter.advance(tensor.numel())
+
+
+def empty_param(shape, dtype: torch.dtype, device) -> torch.nn.Parameter:
+    """An uninitialised, frozen parameter: models allocate with this, then `load_weights` fills it."""
+    return torch.nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from drafter_service.weights import WeightSlot
+from drafter_service.weights import WeightSlot, empty_param
 from kernels import paged_attention, store_kv
 from kernels.layers import LayerCache, RotaryEmbedding, apply_rope, as_layer_caches, rms_norm, swiglu
 from kvpool_service.checkpoint_config import TargetConfig
@@ -35,10 +35,6 @@ class TargetOutput(NamedTuple):
     taps: torch.Tensor
 
 
-def _param(shape: Sequence[int], dtype: torch.dtype, device) -> nn.Parameter:
-    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
-
-
 class TargetLayer(nn.Module):
     """One pre-norm decoder layer; q/k/v and gate/up are fused into one GEMM each."""
 
@@ -50,17 +46,17 @@ class TargetLayer(nn.Module):
         )
         self.eps = config.rms_norm_eps
         qkv_rows = (self.num_heads + 2 * self.num_kv_heads) * head_dim
-        self.input_layernorm = _param([hidden], dtype, device)
-        self.qkv_proj = _param([qkv_rows, hidden], dtype, device)
-        self.qkv_bias = _param([qkv_rows], dtype, device) if config.attention_bias else None
+        self.input_layernorm = empty_param([hidden], dtype, device)
+        self.qkv_proj = empty_param([qkv_rows, hidden], dtype, device)
+        self.qkv_bias = empty_param([qkv_rows], dtype, device) if config.attention_bias else None
         qk_norm = config.architecture in QK_NORM_ARCHITECTURES
-        self.q_norm = _param([head_dim], dtype, device) if qk_norm else None
-        self.k_norm = _param([head_dim], dtype, device) if qk_norm else None
-        self.o_proj = _param([hidden, self.num_heads * head_dim], dtype, device)
-        self.o_bias = _param([hidden], dtype, device) if config.attention_bias else None
-        self.post_attention_layernorm = _param([hidden], dtype, device)
-        self.gate_up_proj = _param([2 * config.intermediate_size, hidden], dtype, device)
-        self.down_proj = _param([hidden, config.intermediate_size], dtype, device)
+        self.q_norm = empty_param([head_dim], dtype, device) if qk_norm else None
+        self.k_norm = empty_param([head_dim], dtype, device) if qk_norm else None
+        self.o_proj = empty_param([hidden, self.num_heads * head_dim], dtype, device)
+        self.o_bias = empty_param([hidden], dtype, device) if config.attention_bias else None
+        self.post_attention_layernorm = empty_param([hidden], dtype, device)
+        self.gate_up_proj = empty_param([2 * config.intermediate_size, hidden], dtype, device)
+        self.down_proj = empty_param([hidden, config.intermediate_size], dtype, device)
 
     def forward(self, h, cos, sin, batch: ForwardBatch, cache: LayerCache) -> torch.Tensor:
         """h [T, H] residual stream -> [T, H]; stores this step's K/V first (seq_lens count it)."""
@@ -136,13 +132,13 @@ class TargetModel(nn.Module):
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling,
                                       config.max_position_embeddings)
         hidden = config.hidden_size
-        self.embed_tokens = _param([config.vocab_size, hidden], dtype, device)
+        self.embed_tokens = empty_param([config.vocab_size, hidden], dtype, device)
         layers = config.num_hidden_layers
         self.layers = nn.ModuleList(TargetLayer(config, dtype, device) for _ in range(layers))
-        self.norm = _param([hidden], dtype, device)
+        self.norm = empty_param([hidden], dtype, device)
         # tied checkpoints share one tensor: the lm_head IS the embedding table
         tied = config.tie_word_embeddings
-        self.lm_head = self.embed_tokens if tied else _param([config.vocab_size, hidden], dtype, device)
+        self.lm_head = self.embed_tokens if tied else empty_param([config.vocab_size, hidden], dtype, device)
 
     @property
     def embed_weight(self) -> torch.Tensor:
