@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from kvpool_service.cuda_ipc import CudaIpcHandle, attach_buffer, export_buffer
+from kvpool_service.errors import StaleEpoch
 from kvpool_service.shm import SHM_DIR, OwnedFile, map_file, pool_file_name, sweep_stale_files
 from kvpool_service.spec import LayerGroup, PoolLayout
 
@@ -48,8 +49,11 @@ class PoolAttachError(ValueError):
     """The handle or memory does not match the layout the attaching process expects."""
 
 
-class StaleEpochError(PoolAttachError):
-    """The handle or memory belongs to another epoch of the pool (it was closed or restarted)."""
+class StaleEpochError(PoolAttachError, StaleEpoch):
+    """The handle or memory belongs to another epoch of the pool (it was closed or restarted).
+
+    Also a `kvpool_service.errors.StaleEpoch`, so one except clause covers the control plane's
+    epoch check and the memory's."""
 
 
 @dataclass(frozen=True)

@@ -236,3 +236,10 @@ def test_cuda_attach_names_the_missing_gpu_uuid():
         cuda_ipc.local_device_index("00000000-dead")
     with pytest.raises(ValueError, match="exports CUDA tensors, got a tensor on cpu"):
         cuda_ipc.export_buffer(torch.zeros(HEADER_BYTES, dtype=torch.uint8))
+
+
+def test_stale_memory_is_the_same_error_type_as_a_stale_control_epoch():
+    from kvpool_service.errors import StaleEpoch
+    from kvpool_service.memory import StaleEpochError
+
+    assert issubclass(StaleEpochError, StaleEpoch) and issubclass(StaleEpochError, ValueError)
