@@ -79,3 +79,13 @@ def test_sampling_frequencies_match_probabilities():
 def test_bad_sampling_params_are_refused(fields):
     with pytest.raises(ValueError):
         SamplingParams(**fields)
+
+
+def test_public_names_import_from_the_package():
+    import target_service
+    from target_service import LLM, SamplingParams
+    from target_service.llm import LLM as llm_class
+
+    assert LLM is llm_class and SamplingParams(max_tokens=3).max_tokens == 3
+    with pytest.raises(AttributeError, match="no attribute"):
+        target_service.NotAThing  # noqa: B018
