@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence as Seq
 
+from target_service.demo import resolve_pair
 from target_service.engine_builder import EngineArgs, build_engine
 from target_service.outputs import CompletionOutput, RequestOutput, SpecDecodeStats
 from target_service.sampling_params import SamplingParams
@@ -14,18 +15,22 @@ from target_service.sequence import Sequence
 class LLM:
     """A target (and optionally a DFlash drafter) served in this process.
 
-    Without a drafter it decodes plainly. `context_storage="dense"` reserves the draft context up
-    front per slot (the baseline) instead of paging it in the pool.
+    With no target it serves the built-in demo pair (`target_service.demo`), speculatively unless
+    drafter="none". With a target but no drafter (or drafter="none") it decodes plainly.
+    `context_storage="dense"` reserves the draft context up front per slot (the baseline) instead of
+    paging it in the pool.
     """
 
-    def __init__(self, target: str, drafter: str | None = None, *, num_speculative_tokens: int | None = None,
+    def __init__(self, target: str | None = None, drafter: str | None = None, *,
+                 num_speculative_tokens: int | None = None,
                  context_storage: str = "paged", dtype: str | None = None, device: str | None = None,
                  max_model_len: int | None = None, max_num_seqs: int = 256, kv_cache_memory=None,
                  gpu_memory_utilization: float = 0.9, tokens_per_block: int = 32,
                  enable_prefix_caching: bool = True, seed: int | None = None,
                  max_num_batched_tokens: int = 2048):
+        target, drafter = resolve_pair(target, drafter)
         self.args = EngineArgs(
-            target=str(target), drafter=None if drafter is None else str(drafter),
+            target=target, drafter=drafter,
             num_speculative_tokens=num_speculative_tokens, context_storage=context_storage, dtype=dtype,
             device=device, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
             kv_cache_memory=kv_cache_memory, gpu_memory_utilization=gpu_memory_utilization,
