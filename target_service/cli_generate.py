@@ -18,8 +18,9 @@ def register(subparsers) -> None:
     )
     parser.add_argument("prompt", nargs="?", help="prompt text (needs the checkpoint's tokenizer.json)")
     parser.add_argument("--prompt-ids", help="comma-separated prompt token ids, instead of text")
-    parser.add_argument("--target", required=True, help="target checkpoint directory")
-    parser.add_argument("--drafter", help="DFlash drafter checkpoint directory ('none': plain decoding)")
+    parser.add_argument("--target", help="target checkpoint directory (default: the built-in demo pair)")
+    parser.add_argument("--drafter", help="DFlash drafter checkpoint directory ('none': plain decoding; "
+                                          "default: the demo drafter with the demo target, else none)")
     parser.add_argument("-k", "--num-speculative-tokens", type=int,
                         help="drafts per step (default: block_size - 1)")
     parser.add_argument("--max-tokens", type=int, default=64)
@@ -52,8 +53,7 @@ def run(args: argparse.Namespace) -> int:
     prompt = _prompt(args)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos)
-    drafter = None if args.drafter in (None, "none") else args.drafter
-    llm = LLM(args.target, drafter, num_speculative_tokens=args.num_speculative_tokens,
+    llm = LLM(args.target, args.drafter, num_speculative_tokens=args.num_speculative_tokens,
               context_storage=args.context_storage, kv_cache_memory=args.kv_cache_memory,
               max_model_len=args.max_model_len, dtype=args.dtype, device=args.device, max_num_seqs=1,
               seed=args.seed)
