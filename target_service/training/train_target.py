@@ -166,6 +166,7 @@ def train_target(args: TrainTargetArgs) -> dict:
                "python": platform.python_version(), "torch": torch.__version__,
                "train_tokens": train_stream.numel(), "held_out_tokens": held_stream.numel(),
                "train_files": len(train_docs), "held_out_files": len(held_docs),
+               "epochs": round(step * args.batch_size * args.seq_len / train_stream.numel(), 3),
                "final_train_loss": history[-1]["loss"] if history else math.nan, "history": history}
     if step >= total:
         summary["held_out_loss"] = held_out_loss(model, held_stream, batches=args.eval_batches,
