@@ -47,7 +47,7 @@ class TileConfig(NamedTuple):
 # H200 sweep recorded in bench/results/paged_attention.md (Qwen3-8B geometry, D 128).
 GPU_TILES = {
     ("decode", 2): (128, 4, 3), ("verify", 2): (64, 4, 2), ("prefill", 2): (128, 8, 3),
-    ("decode", 1): (128, 4, 3), ("verify", 1): (64, 4, 2), ("prefill", 1): (128, 8, 3),
+    ("decode", 1): (128, 4, 2), ("verify", 1): (128, 4, 2), ("prefill", 1): (128, 8, 2),
 }
 
 
