@@ -9,10 +9,12 @@ bf16 SDPA time), the bytes floor (bytes / device-to-device copy bandwidth) and t
 
 Each time is one CUDA graph holding one launch per rotated input set (sets rotate through more
 than 4x the L2, so every launch reads HBM), divided by the set count, median over replays. A
-short tile sweep on three representative shapes runs first; the table uses its winners.
+short tile sweep on three representative shapes runs first (unless --no-sweep); the table uses
+its winners. The copy ceiling is the fastest of an eager copy and an SM copy kernel in a graph:
+a copy captured in a graph becomes a memcpy node, which ran at ~2.7 TB/s on the H200 here.
 
     PYTHONPATH=. python bench/paged_attention.py --out DIR [--commit HASH] [--budget-s 300]
-    PYTHONPATH=. python bench/paged_attention.py --plot DIR/paged_attention.json   # redraw the PNG
+    PYTHONPATH=. python bench/paged_attention.py --plot DIR/paged_attention.json   # redraw PNG + md
     PYTHONPATH=. python bench/paged_attention.py --smoke --out DIR   # tiny, CPU interpreter ok
 
 Writes DIR/paged_attention.{json,md,png}; progress goes to the log.
@@ -344,6 +346,10 @@ def markdown(result) -> str:
                          f"{c['pct_matmul']:.0f} | {c['speedup_vs_sdpa'] or 0:.2f} |")
     lines += ["", "Tile sweep (B 32 ctx 8192 for decode/verify; tiles as block_q, block_m, block_n, "
               "warps, stages; the best per regime and cache dtype is used above):", ""]
+    if not result["sweep"]["rows"]:
+        lines[-2] = ("No tile sweep in this run (--no-sweep): the tiles are choose_tiles' GPU defaults "
+                     "(kernels.paged_attention.GPU_TILES), the winners of the sweep in "
+                     "paged_attention_sweep.md.")
     for r in result["sweep"]["rows"]:
         timed = f"{r['seconds'] * 1e6:.1f} us" if "seconds" in r else f"failed ({r['error'][:80]})"
         lines.append(f"- {r['dtype']} {r['regime']} {tuple(r['tiles'].values())}: {timed}")
@@ -424,12 +430,14 @@ def main(argv=None) -> None:
     parser.add_argument("--commit", default=os.environ.get("COMMIT", "unknown"))
     parser.add_argument("--budget-s", type=float, default=300.0, help="stop starting new cases after this")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes (CPU through the interpreter)")
-    parser.add_argument("--plot", type=Path, help="only redraw the PNG from this JSON")
+    parser.add_argument("--plot", type=Path, help="only redraw the PNG and markdown from this JSON")
     parser.add_argument("--no-sweep", action="store_true", help="use choose_tiles' defaults, no tile sweep")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     if args.plot:
-        plot(json.loads(args.plot.read_text()), args.plot.with_suffix(".png"))
+        result = json.loads(args.plot.read_text())
+        args.plot.with_suffix(".md").write_text(markdown(result))
+        plot(result, args.plot.with_suffix(".png"))
         return
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(0)

@@ -44,7 +44,7 @@ class TileConfig(NamedTuple):
 
 
 # (block_n, num_warps, num_stages) per regime and cache element size on a GPU: the winners of the
-# H200 sweep recorded in bench/results/paged_attention.md (Qwen3-8B geometry, D 128).
+# H200 sweep recorded in bench/results/paged_attention_sweep.md (Qwen3-8B geometry, D 128).
 GPU_TILES = {
     ("decode", 2): (128, 4, 3), ("verify", 2): (64, 4, 2), ("prefill", 2): (128, 8, 3),
     ("decode", 1): (128, 4, 2), ("verify", 1): (128, 4, 2), ("prefill", 1): (128, 8, 2),
