@@ -1,0 +1,35 @@
+"""The engine on a GPU: Triton kernels end to end, the pool budget from gpu_memory_utilization."""
+
+import pytest
+import torch
+from engine_helpers import make_pair, random_prompts
+
+from target_service.llm import LLM
+from target_service.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.gpu
+GREEDY = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+
+
+@pytest.mark.parametrize("storage", ["paged", "dense"])
+def test_greedy_with_drafter_equals_target_only_on_cuda(tmp_path, storage):
+    target, drafter = make_pair(tmp_path)
+    prompts = random_prompts(6, 160, low=5, high=90)
+    plain = LLM(target, device="cuda", dtype="float32", kv_cache_memory="64MiB", tokens_per_block=16)
+    expected = [out.outputs[0].token_ids for out in plain.generate(prompts, GREEDY)]
+    llm = LLM(target, drafter, device="cuda", dtype="float32", context_storage=storage, max_num_seqs=8,
+              kv_cache_memory="64MiB", tokens_per_block=16, num_speculative_tokens=7, max_model_len=256)
+    got = [out.outputs[0].token_ids for out in llm.generate(prompts, GREEDY)]
+    assert got == expected
+    assert llm.stats.num_drafts > 0
+    assert llm.engine.scheduler.pool.stats().num_used_blocks == 0
+
+
+def test_pool_budget_from_gpu_memory_utilization(tmp_path):
+    target, drafter = make_pair(tmp_path)
+    _, total = torch.cuda.mem_get_info()
+    llm = LLM(target, drafter, device="cuda", gpu_memory_utilization=0.02, max_num_seqs=4, max_model_len=256)
+    pool_bytes = llm.memory.nbytes
+    # the pool takes what 2% of the device leaves after what is in use, never more
+    assert 0 < pool_bytes <= 0.02 * total
+    assert len(llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4))[0].outputs[0].token_ids) == 4
