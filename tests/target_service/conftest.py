@@ -6,16 +6,16 @@ scheduler a KVPoolClient, so every open / reserve / commit / close of the test c
 
 import pytest
 
-import target_service.llm as llm_module
-from kvpool_service.client import KVPoolClient
-from kvpool_service.server import BackgroundServer
-
 
 @pytest.fixture(params=["local", "remote"])
 def pool_transport(request, monkeypatch):
     if request.param == "local":
         yield "local"
         return
+    import target_service.llm as llm_module  # imported here: GPU machines may lack the gRPC extras
+    from kvpool_service.client import KVPoolClient
+    from kvpool_service.server import BackgroundServer
+
     servers = []
     build = llm_module.build_engine
 
