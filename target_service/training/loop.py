@@ -36,6 +36,8 @@ class LoopSettings:
     time_budget: float | None = None
 
 
+# arguments that do not change the trajectory: how far this invocation goes, and the export format
+RESUME_MAY_CHANGE = ("stop_after", "resume", "save_dtype", "max_shard_size")
 PROBE = (5, 25)  # steps timed to fit a time budget (after the first ones: allocator, kernel warm-up)
 
 
@@ -62,7 +64,7 @@ def train_loop(what: str, out: str | Path, model: torch.nn.Module, loss_fn: Call
     step, history = 0, []
     if settings.resume:
         step, history = load_state(out, model=model, optimizer=optimizer, schedule=schedule,
-                                   generator=generator, args=run_args, ignore=("stop_after", "resume"))
+                                   generator=generator, args=run_args, ignore=RESUME_MAY_CHANGE)
     total = schedule.lr_lambdas[0].total_steps  # a resumed run keeps the horizon it had fixed
     end = min(total, settings.stop_after or total)
     bar = ProgressBar(what, total, start=step)

@@ -57,6 +57,14 @@ def test_resume_continues_where_it_stopped(corpus, tmp_path):
         torch.testing.assert_close(b["model"][name], tensor, rtol=0, atol=0)  # the same trajectory, bitwise
     assert [r["step"] for r in b["history"]] == [3, 6]  # the curve of both invocations is kept
     assert resumed["held_out_loss"] == pytest.approx(straight["held_out_loss"])
+    # a finished run re-exports in another dtype from its fp32 master weights, training nothing
+    again = train_target(TrainTargetArgs(out=str(tmp_path / "b"), corpus=[corpus], steps=6, resume=True,
+                                         save_dtype="float32", **TINY_TARGET))
+    assert again["step"] == 6 and json.loads((tmp_path / "b" / "config.json").read_text())["torch_dtype"] == \
+        "float32"
+    exported = load_file(str(tmp_path / "b" / "model.safetensors"))
+    for name, tensor in b["model"].items():
+        torch.testing.assert_close(exported[name], tensor, rtol=0, atol=0)
 
 
 def test_resume_refuses_a_changed_run(corpus, tmp_path):
