@@ -60,7 +60,7 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Sequence:
         if request_id in self.sequences:
             raise ValueError(f"request id {request_id!r} is already in use")
-        self.check_prompt(prompt_token_ids)
+        self.check_prompt(prompt_token_ids, params)
         generator = None
         if params.seed is not None:
             generator = torch.Generator(self.device)
@@ -73,8 +73,12 @@ class LLMEngine:
         self.scheduler.add(seq)
         return seq
 
-    def check_prompt(self, prompt_token_ids: list[int]) -> None:
-        """Refuse, at submission, a prompt that could never run (not mid-flight)."""
+    def check_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Refuse, at submission, a request that could never run (not mid-flight).
+
+        Besides the prompt itself, the request's largest reservation (prompt + max_tokens + K,
+        capped by max_model_len) must fit the pool alone, or preemption could never make room.
+        """
         count, vocab = len(prompt_token_ids), self.target.config.vocab_size
         if count == 0:
             raise ValueError("the prompt is empty; at least one token is needed")
@@ -85,10 +89,13 @@ class LLMEngine:
         if count >= max_model_len:
             raise ValueError(f"the prompt has {count} tokens; max_model_len is {max_model_len} and one "
                              "position is needed for the first generated token")
-        needed = -(-max_model_len // self.tokens_per_block)
-        if -(-count // self.tokens_per_block) > self.num_blocks:
-            raise ValueError(f"the prompt needs {-(-count // self.tokens_per_block)} blocks; the pool has "
-                             f"{self.num_blocks} (max_model_len {max_model_len} needs {needed})")
+        tokens = min(max_model_len, count + params.max_tokens + self.scheduler.num_speculative_tokens)
+        blocks = -(-tokens // self.tokens_per_block)
+        usable = self.num_blocks - getattr(self.scheduler.pool, "watermark_blocks", 0)
+        if blocks > usable:
+            raise ValueError(f"the request needs up to {blocks} blocks ({count} prompt tokens, max_tokens "
+                             f"{params.max_tokens}); the pool has {usable} for one request: give it more "
+                             "kv_cache_memory or ask for fewer tokens")
 
     @property
     def has_unfinished(self) -> bool:

@@ -51,8 +51,8 @@ class LLM:
         prompts = self._as_list(prompts)
         params = self._params_for(prompts, params)
         encoded = [self._encode(prompt) for prompt in prompts]
-        for ids in encoded:  # refuse the whole call before anything runs
-            self.engine.check_prompt(ids)
+        for ids, p in zip(encoded, params):  # refuse the whole call before anything runs
+            self.engine.check_prompt(ids, p)
         seqs = [self.engine.add_request(f"req-{next(self._ids)}", ids, p) for ids, p in zip(encoded, params)]
         while self.engine.has_unfinished:
             self.engine.step()
