@@ -24,6 +24,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 run: setup
+	$(BIN)/dflash generate "def parse_args(argv):" --max-tokens 128
 	$(BIN)/dflash plan --target examples/qwen3-8b --drafter examples/qwen3-8b-dflash-b16 \
 		--memory 40GiB --max-model-len 32768 --max-num-seqs 64 --avg-seq-len 4096
 
