@@ -58,7 +58,8 @@ class EngineArgs(BaseModel):
         return self
 
 
-def _resolve_device(name: str | None) -> torch.device:
+def resolve_device(name: str | None) -> torch.device:
+    """`name` as a device (None: cuda when available); asking for CUDA without it is an error."""
     if name is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(name)
@@ -69,7 +70,7 @@ def _resolve_device(name: str | None) -> torch.device:
 
 def build_engine(args: EngineArgs) -> tuple[LLMEngine, object, PoolMemory]:
     """(engine, tokenizer or None, pool memory); the caller owns the memory and closes it."""
-    device = _resolve_device(args.device)
+    device = resolve_device(args.device)
     checkpoint = open_target_checkpoint(args.target)
     config = checkpoint.config
     draft_model = None

@@ -20,6 +20,7 @@ from tokenizers import Tokenizer
 
 from kvpool_service.byte_size import parse_byte_size
 from kvpool_service.checkpoint_config import TargetConfig
+from target_service.engine_builder import resolve_device
 from target_service.training.corpus import (
     encode_documents,
     load_documents,
@@ -86,15 +87,6 @@ class TrainTargetArgs(BaseModel):
                              f"({self.max_position_embeddings})")
         parse_byte_size(self.max_shard_size)
         return self
-
-
-def resolve_device(name: str | None) -> torch.device:
-    if name is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {name!r} was asked for but CUDA is not available")
-    return device
 
 
 def _tokenizer(args: TrainTargetArgs, out: Path, train_docs) -> Tokenizer:
