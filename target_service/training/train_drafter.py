@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
 from kvpool_service.byte_size import parse_byte_size
 from kvpool_service.checkpoint_config import DrafterConfig
@@ -36,6 +36,7 @@ from target_service.training.evaluate import evaluate_pair
 from target_service.training.export import drafter_config_json, export_drafter
 from target_service.training.loop import LoopSettings, train_loop
 from target_service.training.optim import make_optimizer
+from target_service.training.run_args import TrainRunArgs
 from target_service.training.state import CHECKPOINT_DIR
 from target_service.training.train_target import _device_name, resolve_device
 
@@ -45,23 +46,16 @@ EVAL_FILE = "eval.json"
 TRAIN_LOG = "train_log.json"
 
 
-class TrainDrafterArgs(BaseModel):
+class TrainDrafterArgs(TrainRunArgs):
     """Every `dflash train drafter` flag, validated once (field names are the flags')."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
     target: str
-    out: str
-    corpus: list[str] | None = None
-    held_out_percent: float = Field(5.0, gt=0, lt=100)
     block_size: int = Field(16, ge=2)
     layers: int = Field(2, ge=1)
     taps: str = "auto"
     intermediate: int | None = Field(None, ge=1)
     mask_token_id: int | None = Field(None, ge=0)
     gamma: float | None = Field(None, gt=0)
-    seq_len: int = Field(512, ge=8)
-    batch_size: int = Field(32, ge=1)
     anchors: int = Field(32, ge=1)
     steps: int = Field(2000, ge=1)
     warmup_steps: int = Field(100, ge=0)
@@ -78,25 +72,14 @@ class TrainDrafterArgs(BaseModel):
     eval_k: int | None = Field(None, ge=1)
     eval_dtype: str | None = None
     timing_prompts: int = Field(8, ge=1)
-    save_every: int = Field(500, ge=1)
-    save_dtype: str = Field("bfloat16", pattern="^(bfloat16|float16|float32)$")
-    max_shard_size: str = "8MiB"
-    seed: int = 0
-    device: str | None = None
-    time_budget: float | None = Field(None, gt=0)
-    stop_after: int | None = Field(None, ge=1)
-    resume: bool = False
 
     @model_validator(mode="after")
     def _check(self):
-        if self.warmup_steps > self.steps:
-            raise ValueError(f"warmup_steps ({self.warmup_steps}) exceeds steps ({self.steps})")
         if self.generated and self.generated_fraction and self.prompt_len + self.gen_tokens > self.seq_len:
             raise ValueError(f"prompt_len + gen_tokens ({self.prompt_len + self.gen_tokens}) exceeds "
                              f"seq_len ({self.seq_len})")
         if self.eval_k is not None and self.eval_k > self.block_size - 1:
             raise ValueError(f"eval_k ({self.eval_k}) exceeds block_size - 1 ({self.block_size - 1})")
-        parse_byte_size(self.max_shard_size)
         return self
 
 

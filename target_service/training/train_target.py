@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 from tokenizers import Tokenizer
 
 from kvpool_service.byte_size import parse_byte_size
@@ -34,20 +34,16 @@ from target_service.training.dense_target import DenseQwen3, causal_lm_loss
 from target_service.training.export import export_target, target_config_json
 from target_service.training.loop import LoopSettings, autocast, train_loop
 from target_service.training.optim import make_optimizer
+from target_service.training.run_args import TrainRunArgs
 
 logger = logging.getLogger(__name__)
 
 TRAIN_LOG = "train_log.json"
 
 
-class TrainTargetArgs(BaseModel):
+class TrainTargetArgs(TrainRunArgs):
     """Every `dflash train target` flag, validated once (field names are the flags')."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    out: str
-    corpus: list[str] | None = None
-    held_out_percent: float = Field(5.0, gt=0, lt=100)
     tokenizer: str | None = None
     vocab_size: int = Field(4096, ge=300)
     tokenizer_sample_mb: float = Field(8.0, gt=0)
@@ -58,21 +54,11 @@ class TrainTargetArgs(BaseModel):
     head_dim: int = Field(64, ge=16)
     intermediate: int = Field(768, ge=1)
     max_position_embeddings: int = Field(4096, ge=16)
-    seq_len: int = Field(512, ge=8)
-    batch_size: int = Field(32, ge=1)
     steps: int = Field(3000, ge=1)
     warmup_steps: int = Field(200, ge=0)
     lr: float = Field(2e-3, gt=0)
     weight_decay: float = Field(0.1, ge=0)
     eval_batches: int = Field(8, ge=1)
-    save_every: int = Field(500, ge=1)
-    save_dtype: str = Field("bfloat16", pattern="^(bfloat16|float16|float32)$")
-    max_shard_size: str = "8MiB"
-    seed: int = 0
-    device: str | None = None
-    time_budget: float | None = Field(None, gt=0)
-    stop_after: int | None = Field(None, ge=1)
-    resume: bool = False
 
     @model_validator(mode="after")
     def _check(self):
@@ -80,12 +66,9 @@ class TrainTargetArgs(BaseModel):
             raise ValueError(f"heads ({self.heads}) must be a multiple of kv_heads ({self.kv_heads})")
         if self.head_dim & (self.head_dim - 1):
             raise ValueError(f"head_dim must be a power of two, got {self.head_dim}")
-        if self.warmup_steps > self.steps:
-            raise ValueError(f"warmup_steps ({self.warmup_steps}) exceeds steps ({self.steps})")
         if self.seq_len >= self.max_position_embeddings:
             raise ValueError(f"seq_len ({self.seq_len}) must be below max_position_embeddings "
                              f"({self.max_position_embeddings})")
-        parse_byte_size(self.max_shard_size)
         return self
 
 
