@@ -17,78 +17,32 @@ more than one sequence.
 from __future__ import annotations
 
 import heapq
-import operator
 from array import array
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
 # The control vocabulary lives in kvpool_service.control; it is importable from here too.
 from kvpool_service.control import CommitRequest, OpenRequest, OpenResult, PoolUsage, ReserveRequest
 from kvpool_service.errors import InvalidRequest, LimitExceeded, PoolExhausted, StaleEpoch, UnknownSequence
-from kvpool_service.prefix_cache import BlockHash, PrefixCache, hash_block, hash_chain
+from kvpool_service.prefix_cache import PrefixCache, hash_block, hash_chain
+from kvpool_service.sequence_blocks import (
+    MAX_SEQ_ID,
+    TOKEN_TYPECODE,
+    SequenceBlocks,
+    check_index,
+    check_unique,
+    token_array,
+)
 
 if TYPE_CHECKING:
     from kvpool_service.spec import PoolLayout
-
-TOKEN_TYPECODE = "I"  # token ids are stored as unsigned 32-bit ints
-assert array(TOKEN_TYPECODE).itemsize == 4
-MAX_SEQ_ID = 2**64 - 1
-
-
-@dataclass(slots=True)
-class SequenceBlocks:
-    """The pool's record of one open sequence. Callers read it; only the BlockManager writes it.
-
-    | field                        | set at | updated by       | meaning                                 |
-    | ---------------------------- | ------ | ---------------- | --------------------------------------- |
-    | seq_id, slot                 | open   | -                | caller's id; row in the block tables    |
-    | block_table                  | open   | reserve (append) | block ids; position p in block p // tpb |
-    | num_cached_tokens            | open   | -                | prefix-cache hit, skipped by prefill    |
-    | num_tokens, num_context      | open   | commit           | target K/V written; draft context kept  |
-    | token_ids                    | open   | commit (append)  | known ids: prompt, then committed ones  |
-    | num_hashed_blocks, last_hash | open   | commit           | prefix of the hash chain computed       |
-    """
-
-    seq_id: int
-    slot: int
-    block_table: list[int]
-    num_cached_tokens: int
-    num_tokens: int
-    num_context: int
-    token_ids: array
-    num_hashed_blocks: int
-    last_hash: BlockHash | None
-
 
 class _OpenPlan(NamedTuple):
     seq_id: int
     token_ids: array
     hits: list[int]
     num_new_blocks: int
-
-
-def _index(value, name: str, seq_id: int | None = None) -> int:
-    """`value` as an int >= 0; the error names the field (and the sequence), built only on failure."""
-    if type(value) is int and value >= 0:  # the hot path: plain ints from the scheduler or the proto
-        return value
-    what = name if seq_id is None else f"{name} of sequence {seq_id}"
-    try:
-        value = operator.index(value)
-    except TypeError:
-        raise InvalidRequest(f"{what} must be an integer, got {value!r}") from None
-    if value < 0:
-        raise InvalidRequest(f"{what} must be >= 0, got {value}")
-    return value
-
-
-def _token_array(values, name: str, seq_id: int) -> array:
-    try:
-        return array(TOKEN_TYPECODE, values)
-    except (TypeError, OverflowError, ValueError):
-        raise InvalidRequest(f"{name} of sequence {seq_id} must be a sequence of token ids in [0, 2**32)"
-                             ) from None
 
 
 class BlockManager:
@@ -98,7 +52,7 @@ class BlockManager:
                  watermark: float = 0.01, epoch: int = 0, enable_prefix_caching: bool = True):
         for name, value in (("num_blocks", num_blocks), ("tokens_per_block", tokens_per_block),
                             ("max_num_seqs", max_num_seqs), ("max_model_len", max_model_len)):
-            if _index(value, name) < 1:
+            if check_index(value, name) < 1:
                 raise InvalidRequest(f"{name} must be >= 1, got {value}")
         if not 0.0 <= watermark < 1.0:
             raise InvalidRequest(f"watermark must be a fraction in [0, 1), got {watermark}")
@@ -210,10 +164,10 @@ class BlockManager:
 
     def _plan_open(self, request: OpenRequest) -> _OpenPlan:
         seq_id, prompt = request
-        seq_id = _index(seq_id, "seq_id")
+        seq_id = check_index(seq_id, "seq_id")
         if seq_id > MAX_SEQ_ID:
             raise InvalidRequest(f"seq_id must fit in 64 bits, got {seq_id}")
-        tokens = _token_array(prompt, "prompt_token_ids", seq_id)
+        tokens = token_array(prompt, "prompt_token_ids", seq_id)
         tpb, n = self.tokens_per_block, len(tokens)
         if n == 0:
             raise InvalidRequest(f"sequence {seq_id} has an empty prompt; at least one token is needed")
@@ -282,13 +236,13 @@ class BlockManager:
             seq = seqs.get(seq_id) if type(seq_id) is int else None
             if seq is None or type(length) is not int or not 0 <= length <= max_len:
                 seq = self.get(seq_id)
-                length = _index(length, "reserve length", seq_id)
+                length = check_index(length, "reserve length", seq_id)
                 if length > max_len:
                     raise LimitExceeded(f"sequence {seq_id} asks for {length} positions; max_model_len is "
                                         f"{max_len}")
             need = -(-length // tpb) - len(seq.block_table)
             plan.append((seq, need if need > 0 else 0))
-        self._check_unique([seq.seq_id for seq, _ in plan])
+        check_unique([seq.seq_id for seq, _ in plan])
         return plan
 
     # ---- commit ---------------------------------------------------------------------------------
@@ -315,7 +269,7 @@ class BlockManager:
                 plan.append(self._plan_commit(request))
             else:
                 plan.append((seq, num_tokens, num_context, new_ids))
-        self._check_unique(ids)
+        check_unique(ids)
         for seq, num_tokens, num_context, new_ids in plan:
             seq.num_tokens, seq.num_context = num_tokens, num_context
             if new_ids:
@@ -329,8 +283,8 @@ class BlockManager:
         """Full validation of one commit entry: raises the precise error, or returns it normalized."""
         seq_id, num_tokens, num_context, token_ids = request
         seq = self.get(seq_id)
-        num_tokens = _index(num_tokens, "num_tokens", seq_id)
-        num_context = _index(num_context, "num_context", seq_id)
+        num_tokens = check_index(num_tokens, "num_tokens", seq_id)
+        num_context = check_index(num_context, "num_context", seq_id)
         if num_tokens < seq.num_tokens or num_context < seq.num_context:
             raise InvalidRequest(
                 f"sequence {seq_id} lengths cannot shrink: num_tokens {seq.num_tokens} -> {num_tokens}, "
@@ -345,7 +299,7 @@ class BlockManager:
         if num_tokens > capacity:
             raise InvalidRequest(f"sequence {seq_id} commits {num_tokens} tokens but has reserved only "
                                  f"{capacity}; reserve first")
-        new_ids = _token_array(() if token_ids is None else token_ids, "token_ids", seq_id)
+        new_ids = token_array(() if token_ids is None else token_ids, "token_ids", seq_id)
         if len(seq.token_ids) + len(new_ids) > self.max_model_len:
             raise LimitExceeded(f"sequence {seq_id} would know {len(seq.token_ids) + len(new_ids)} "
                                 f"token ids; max_model_len is {self.max_model_len}")
@@ -369,7 +323,7 @@ class BlockManager:
         """Release the sequences' blocks and slots; registered blocks stay matchable as cached."""
         self._check_batch_size(seq_ids, "close")
         seqs = [self.get(seq_id) for seq_id in seq_ids]
-        self._check_unique([seq.seq_id for seq in seqs])
+        check_unique([seq.seq_id for seq in seqs])
         for seq in seqs:
             # Tail first: the end of a hash chain is evicted before its (more shared) beginning.
             for block in reversed(seq.block_table):
@@ -399,17 +353,7 @@ class BlockManager:
                                 f"{self.max_num_seqs}")
 
     def _check_new_ids(self, seq_ids: list[int]) -> None:
-        self._check_unique(seq_ids)
+        check_unique(seq_ids)
         for seq_id in seq_ids:
             if seq_id in self._seqs:
                 raise InvalidRequest(f"sequence {seq_id} is already open")
-
-    @staticmethod
-    def _check_unique(seq_ids: list[int]) -> None:
-        if len(set(seq_ids)) == len(seq_ids):
-            return
-        seen = set()
-        for seq_id in seq_ids:
-            if seq_id in seen:
-                raise InvalidRequest(f"sequence {seq_id} appears more than once in one batch")
-            seen.add(seq_id)

@@ -13,7 +13,7 @@ import collections
 import logging
 from dataclasses import dataclass, field
 
-from kvpool_service.blocks import CommitRequest, OpenRequest, ReserveRequest
+from kvpool_service.control import CommitRequest, OpenRequest, ReserveRequest
 from kvpool_service.errors import PoolExhausted
 from target_service.sequence import Sequence, SequenceStatus
 
