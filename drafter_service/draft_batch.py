@@ -9,8 +9,19 @@ from dataclasses import dataclass
 
 import torch
 
-_ANY_INT = (torch.int32, torch.int64)
-_KERNEL_INT = (torch.int32,)  # what the context-attention kernel reads
+ANY_INT = (torch.int32, torch.int64)
+KERNEL_INT = (torch.int32,)  # what the attention kernels read
+
+
+def check_int_tensor(owner: str, name: str, tensor, dim: int, dtypes=ANY_INT) -> None:
+    """Step metadata is plain integer tensors: `owner.name` must be a `dim`-d tensor of `dtypes`."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{owner}.{name} must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.dim() != dim or tensor.dtype not in dtypes:
+        allowed = "/".join(str(dtype).removeprefix("torch.") for dtype in dtypes)
+        raise ValueError(
+            f"{owner}.{name} must be a {dim}-d {allowed} tensor, got {tensor.dim()}-d {tensor.dtype}"
+        )
 
 
 @dataclass(frozen=True)
@@ -32,15 +43,8 @@ class DraftBatch:
         for name in self.__dataclass_fields__:
             tensor = getattr(self, name)
             dim = 2 if name == "block_table" else 1
-            dtypes = _KERNEL_INT if name in ("block_table", "ctx_lens") else _ANY_INT
-            if not isinstance(tensor, torch.Tensor):
-                raise TypeError(f"DraftBatch.{name} must be a torch.Tensor, got {type(tensor).__name__}")
-            if tensor.dim() != dim or tensor.dtype not in dtypes:
-                allowed = "/".join(str(dtype).removeprefix("torch.") for dtype in dtypes)
-                raise ValueError(
-                    f"DraftBatch.{name} must be a {dim}-d {allowed} tensor, "
-                    f"got {tensor.dim()}-d {tensor.dtype}"
-                )
+            dtypes = KERNEL_INT if name in ("block_table", "ctx_lens") else ANY_INT
+            check_int_tensor("DraftBatch", name, tensor, dim, dtypes)
             if tensor.shape[0] != self.bonus_tokens.shape[0]:
                 raise ValueError(
                     f"DraftBatch.{name} has {tensor.shape[0]} rows, "

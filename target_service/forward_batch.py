@@ -12,20 +12,13 @@ from dataclasses import dataclass
 
 import torch
 
+from drafter_service.draft_batch import ANY_INT, KERNEL_INT, check_int_tensor
+
 PAD_SLOT = -1
 
-_ANY_INT = (torch.int32, torch.int64)
-_KERNEL_INT = (torch.int32,)  # what the attention kernels read
 
-
-def _check_int(name: str, tensor: torch.Tensor, dim: int, dtypes=_ANY_INT) -> None:
-    if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"ForwardBatch.{name} must be a torch.Tensor, got {type(tensor).__name__}")
-    if tensor.dim() != dim or tensor.dtype not in dtypes:
-        allowed = "/".join(str(dtype).removeprefix("torch.") for dtype in dtypes)
-        raise ValueError(
-            f"ForwardBatch.{name} must be a {dim}-d {allowed} tensor, got {tensor.dim()}-d {tensor.dtype}"
-        )
+def _check_int(name: str, tensor, dim: int, dtypes=ANY_INT) -> None:
+    check_int_tensor("ForwardBatch", name, tensor, dim, dtypes)
 
 
 @dataclass(frozen=True)
@@ -53,9 +46,9 @@ class ForwardBatch:
     def __post_init__(self):
         for name in ("input_ids", "positions", "slot_mapping", "logits_indices", "tap_indices"):
             _check_int(name, getattr(self, name), 1)
-        _check_int("seq_lens", self.seq_lens, 1, _KERNEL_INT)
-        _check_int("query_start_loc", self.query_start_loc, 1, _KERNEL_INT)
-        _check_int("block_table", self.block_table, 2, _KERNEL_INT)
+        _check_int("seq_lens", self.seq_lens, 1, KERNEL_INT)
+        _check_int("query_start_loc", self.query_start_loc, 1, KERNEL_INT)
+        _check_int("block_table", self.block_table, 2, KERNEL_INT)
         num_tokens, num_seqs = self.num_tokens, self.num_seqs
         for name in ("positions", "slot_mapping"):
             if getattr(self, name).shape[0] != num_tokens:
