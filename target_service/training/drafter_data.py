@@ -2,8 +2,9 @@
 
 A drafter is judged on predicting what the TARGET will say, so most of its training text should be
 the target's (the DFlash recipe regenerates every response with the target). Continuations come
-from the real engine (greedy by default, as acceptance is measured); the loss covers only the
-continuation. Raw corpus windows, loss on every token, keep the drafter honest on text the target
+from the frozen dense target with a KV cache (`dense_generate`: the served weights and math, many
+times faster than scheduler steps), greedy by default as acceptance is measured; the loss covers
+only the continuation. Raw corpus windows, loss on every token, keep the drafter honest on text the target
 did not write. Every row is padded to `seq_len`; `lengths` says where the real tokens end.
 """
 
@@ -15,13 +16,11 @@ from pathlib import Path
 
 import torch
 
-from target_service.llm import LLM
-from target_service.sampling_params import SamplingParams
 from target_service.training.corpus import sample_windows
+from target_service.training.dense_generate import generate_continuations
+from target_service.training.dense_target import DenseQwen3
 
 logger = logging.getLogger(__name__)
-
-KV_CACHE_MEMORY = "1GiB"  # 256 sequences of 512 tokens at 8 KiB per token; small targets need far less
 
 
 @dataclass
@@ -80,31 +79,17 @@ def raw_windows(stream: torch.Tensor, count: int, seq_len: int, generator: torch
     return SequenceSet(ids, torch.full((count,), seq_len), torch.ones(count, seq_len, dtype=torch.bool))
 
 
-def generate_continuations(target: str, prompts: list[list[int]], *, max_tokens: int, temperature: float,
-                           seed: int, device: str | None, batch: int = 256) -> list[list[int]]:
-    """The target's continuation of every prompt, through the engine (plain decoding, no drafter)."""
-    max_model_len = max(len(p) for p in prompts) + max_tokens + 1
-    # an explicit pool: on a GPU the default would claim most of the device, which training needs
-    llm = LLM(target, device=device, max_model_len=max_model_len, max_num_seqs=batch, seed=seed,
-              max_num_batched_tokens=max(8192, max_model_len), enable_prefix_caching=False,
-              kv_cache_memory=KV_CACHE_MEMORY)
-    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=None)
-    try:
-        outputs = []
-        for first in range(0, len(prompts), batch * 4):
-            outputs += llm.generate(prompts[first: first + batch * 4], params)
-            logger.info("target continuations: %d/%d", len(outputs), len(prompts))
-    finally:
-        llm.close()
-    return [output.outputs[0].token_ids for output in outputs]
-
-
-def build_generated_set(target: str, stream: torch.Tensor, *, count: int, prompt_len: int, gen_tokens: int,
-                        seq_len: int, pad_id: int, temperature: float, seed: int,
-                        device: str | None) -> SequenceSet:
+def build_generated_set(target: DenseQwen3, stream: torch.Tensor, *, count: int, prompt_len: int,
+                        gen_tokens: int, seq_len: int, pad_id: int, eos_id: int | None, temperature: float,
+                        seed: int, batch: int) -> SequenceSet:
     """`count` rows: a random corpus prefix of prompt_len tokens and the target's continuation."""
     generator = torch.Generator().manual_seed(seed)
     prompts = sample_windows(stream, count, prompt_len, generator).tolist()
-    continuations = generate_continuations(target, prompts, max_tokens=gen_tokens, temperature=temperature,
-                                           seed=seed, device=device)
+    continuations = []
+    step = batch * 8  # a progress line every 8 batches
+    for first in range(0, count, step):
+        continuations += generate_continuations(target, prompts[first: first + step], max_tokens=gen_tokens,
+                                                temperature=temperature, eos_id=eos_id, seed=seed + first,
+                                                batch=batch)
+        logger.info("target continuations: %d/%d", len(continuations), count)
     return pad_sequences(prompts, continuations, seq_len, pad_id)

@@ -66,6 +66,7 @@ class TrainDrafterArgs(TrainRunArgs):
     prompt_len: int = Field(128, ge=1)
     gen_tokens: int = Field(256, ge=1)
     gen_temperature: float = Field(0.0, ge=0)
+    gen_batch: int = Field(256, ge=1)
     eval: bool = True
     eval_prompts: int = Field(64, ge=1)
     eval_max_tokens: int = Field(256, ge=1)
@@ -131,8 +132,8 @@ def _mask_token(args: TrainDrafterArgs, checkpoint) -> int:
     return mask
 
 
-def _generated(args: TrainDrafterArgs, stream: torch.Tensor, pad_id: int, device: torch.device
-               ) -> SequenceSet:
+def _generated(args: TrainDrafterArgs, target: DenseQwen3, stream: torch.Tensor, eos_id: int | None,
+               pad_id: int) -> SequenceSet:
     """The target's continuations, made once and kept with the checkpoints (a resumed run reuses them)."""
     path = Path(args.out) / CHECKPOINT_DIR / "generated.pt"
     if args.resume and path.is_file():
@@ -140,9 +141,9 @@ def _generated(args: TrainDrafterArgs, stream: torch.Tensor, pad_id: int, device
     if not args.generated or not args.generated_fraction:
         return SequenceSet(torch.zeros(0, args.seq_len, dtype=torch.long), torch.zeros(0, dtype=torch.long),
                            torch.zeros(0, args.seq_len, dtype=torch.bool))
-    data = build_generated_set(args.target, stream, count=args.generated, prompt_len=args.prompt_len,
-                               gen_tokens=args.gen_tokens, seq_len=args.seq_len, pad_id=pad_id,
-                               temperature=args.gen_temperature, seed=args.seed, device=str(device))
+    data = build_generated_set(target, stream, count=args.generated, prompt_len=args.prompt_len,
+                               gen_tokens=args.gen_tokens, seq_len=args.seq_len, pad_id=pad_id, eos_id=eos_id,
+                               temperature=args.gen_temperature, seed=args.seed, batch=args.gen_batch)
     data.save(path)
     return data
 
@@ -186,7 +187,8 @@ def train_drafter(args: TrainDrafterArgs) -> dict:
     eos_id = checkpoint.eos_token_ids[0] if checkpoint.eos_token_ids else mask_token_id
     train_docs, held_docs = split_documents(load_documents(args.corpus), args.held_out_percent)
     stream = token_stream(encode_documents(checkpoint.tokenizer, train_docs), eos_id)
-    generated = _generated(args, stream, eos_id, device)
+    generated = _generated(args, target, stream, checkpoint.eos_token_ids[0] if checkpoint.eos_token_ids
+                           else None, eos_id)
     config_json = drafter_config_json(
         json.loads((Path(args.target) / "config.json").read_text()), num_layers=args.layers,
         block_size=args.block_size, mask_token_id=mask_token_id, target_layer_ids=taps,
