@@ -4,7 +4,8 @@
                                  [--max-tokens 128] [--device cpu] [--dtype float32] [--name speedup_cpu]
 
 Greedy, K = block_size - 1, through the real engine (target_service.training.evaluate): DFlash,
-prompt lookup and plain decoding on the same held-out prompts of this Python's standard library.
+prompt lookup and plain decoding on the same held-out prompts of this Python's standard library
+(or of `--corpus`: the split hashes paths relative to each root, so a copy of the library splits alike).
 Writes bench/results/<name>.json, .md and .png (acceptance per draft position, tokens/s).
 """
 
@@ -84,6 +85,8 @@ def main() -> None:
     parser.add_argument("--timing-prompts", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--held-out-percent", type=float, default=5.0)
+    parser.add_argument("--corpus", nargs="+", help="roots the prompts' split is taken from (default: this "
+                        "Python's stdlib; on another machine pass the training machine's stdlib copy)")
     parser.add_argument("--device")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--name", default="speedup_cpu")
@@ -93,7 +96,7 @@ def main() -> None:
     target, drafter = args.target or str(demo_target_path()), args.drafter or str(demo_drafter_path())
     checkpoint = open_target_checkpoint(target)
     block_size = open_drafter_checkpoint(drafter, checkpoint.config)[0].block_size
-    _, held = split_documents(load_documents(), args.held_out_percent)
+    _, held = split_documents(load_documents(args.corpus), args.held_out_percent)
     prompts = held_out_prompts(checkpoint.tokenizer, held, args.prompts, args.prompt_len, seed=args.seed)
     result = evaluate_pair(target, drafter, prompts, num_speculative_tokens=block_size - 1,
                            max_tokens=args.max_tokens, device=args.device, dtype=args.dtype,
@@ -102,7 +105,8 @@ def main() -> None:
                             text=True).stdout.strip()
     meta = {"name": args.name, "date": datetime.date.today().isoformat(), "commit": commit,
             "command": "python bench/demo_speedup.py " + " ".join(
-                f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None),
+                f"--{k.replace('_', '-')} {' '.join(v) if isinstance(v, list) else v}"
+                for k, v in vars(args).items() if v is not None),
             "target": target, "drafter": drafter, "dtype": args.dtype, "prompt_len": args.prompt_len,
             "torch": torch.__version__, "threads": torch.get_num_threads()}
     RESULTS.mkdir(exist_ok=True)

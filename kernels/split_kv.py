@@ -70,7 +70,7 @@ MIN_TOKENS_PER_SPLIT = 128
 TOKENS_PER_ROW = 2
 # Cap on the grid's split dimension: more partials than this only add merge work.
 MAX_SPLITS = 64
-# Programs the split grid aims for, in multiples of the SM count (two waves hide the tail; four
+# Programs the split grid fills at most, in multiples of the SM count (two waves hide the tail; four
 # measured slower on an H200 for B 4..16: more partials and more waves of programs).
 WAVES = 2
 # The "SM count" the planner assumes on CPU (the interpreter), so small CPU batches still split.
@@ -230,8 +230,10 @@ def num_sms(device: torch.device) -> int:
 def plan_max_splits(num_items: int, device: torch.device, num_splits: int | None = None) -> int:
     """The grid's split dimension for `num_items` work items (requests x KV heads) on `device`.
 
-    1 means one pass (the items already fill the GPU). Otherwise enough splits for WAVES waves
-    of programs, capped at MAX_SPLITS; each item then takes at most this many, fewer when short.
+    1 means one pass (the items already fill the GPU). Otherwise the most splits that keep the
+    grid within WAVES full waves of programs (rounded down: a last wave of a few programs costs a
+    whole wave's time, e.g. 64 items x 5 splits = 2.4 waves of 132 SMs ran slower than x 4 on an
+    H200), capped at MAX_SPLITS; each item then takes at most this many, fewer when short.
     Depends on the item count only, so it is fixed for a captured batch size. `num_splits`
     forces the value (tests, tuning).
     """
@@ -244,7 +246,7 @@ def plan_max_splits(num_items: int, device: torch.device, num_splits: int | None
     sms = num_sms(device)
     if num_items >= sms:
         return 1
-    return min(MAX_SPLITS, triton.cdiv(WAVES * sms, num_items))
+    return max(1, min(MAX_SPLITS, WAVES * sms // num_items))
 
 
 def alloc_partials(num_rows: int, max_splits: int, head_dim: int, device: torch.device):

@@ -65,7 +65,9 @@ def test_plan_max_splits_depends_on_item_count_only():
     assert split_kv.plan_max_splits(10 * sms, device) == 1
     small = split_kv.plan_max_splits(1, device)
     assert 1 < small <= split_kv.MAX_SPLITS
-    assert small == min(split_kv.MAX_SPLITS, -(-split_kv.WAVES * sms // 1))
+    assert small == min(split_kv.MAX_SPLITS, split_kv.WAVES * sms)
+    for items in range(1, sms):  # never a partly filled wave beyond WAVES full ones
+        assert items * split_kv.plan_max_splits(items, device) <= split_kv.WAVES * sms
     assert split_kv.plan_max_splits(3, device, num_splits=7) == 7
     with pytest.raises(ValueError, match="num_splits"):
         split_kv.plan_max_splits(3, device, num_splits=0)
