@@ -2,6 +2,7 @@
 # The demo pair's GPU run, in two device calls (one call may last 10 minutes; training takes ~15).
 #
 #   bench/demo_pair_gpu.sh start    unpack the corpus, start bench/train_demo.py in its own session
+#   bench/demo_pair_gpu.sh start_drafter TARGET_DIR   the same for a drafter only, for a trained target
 #   bench/demo_pair_gpu.sh finish   wait for it, measure the pair on this GPU, pack everything in $OUT
 #
 # The corpus is .corpus/corpus.tar.xz (ignored by git, carried to the machine): the CPython 3.11.7
@@ -29,6 +30,21 @@ start() {
         --generated ${GENERATED:-32768} --target-args '$target_args' --drafter-args '$drafter_args'; \
         echo \$? > $WORK/rc" > "$WORK/train.log" 2>&1 < /dev/null &
     echo "training started; log $WORK/train.log"
+}
+
+start_drafter() {
+    mkdir -p "$WORK/out" "$PAIR"
+    python3 -c "import tarfile; tarfile.open('.corpus/corpus.tar.xz').extractall('/tmp', filter='data')"
+    cp -r "$1" "$PAIR/target"
+    local roots
+    roots=${ROOTS:-"$CORPUS/stdlib $(find "$CORPUS" -mindepth 1 -maxdepth 1 -type d ! -name stdlib | sort | tr '\n' ' ')"}
+    setsid nohup bash -c "python3 -m target_service.cli train drafter --target $PAIR/target --out $PAIR/drafter \
+        --device ${DEVICE:-cuda} --seed ${SEED:-1} --time-budget ${DRAFTER_SECONDS:-480} --generated ${GENERATED:-32768} \
+        --generated-fraction 0.75 --corpus $roots --layers ${DRAFT_LAYERS:-3} --seq-len 384 --prompt-len 64 \
+        --gen-tokens 320 --gen-batch 2048 --steps 100000 --batch-size 64 --anchors 48 --eval-prompts 64 \
+        --eval-max-tokens 256 --timing-prompts 8 --eval-dtype float32 ${EXTRA_DRAFTER_ARGS:-}; \
+        echo \$? > $WORK/rc; echo '{}' > $WORK/out/commands.json" > "$WORK/train.log" 2>&1 < /dev/null &
+    echo "drafter training started; log $WORK/train.log"
 }
 
 finish() {
