@@ -32,7 +32,8 @@ def register(subparsers) -> None:
     parser.add_argument("--context-storage", choices=("paged", "dense"), default="paged")
     parser.add_argument("--kv-cache-memory", help="pool budget (e.g. 512MiB); default: device-dependent")
     parser.add_argument("--max-model-len", type=int)
-    parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"))
+    parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"),
+                        help="compute dtype (default: float32 on CPU, the checkpoint's dtype on a GPU)")
     parser.add_argument("--device", help="cpu, cuda, cuda:1 (default: cuda when available)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of text")
     parser.set_defaults(func=run)

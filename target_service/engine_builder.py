@@ -68,16 +68,29 @@ def resolve_device(name: str | None) -> torch.device:
     return device
 
 
+def compute_dtype(asked: str | None, device: torch.device) -> str | None:
+    """The dtype asked for; with none, float32 on CPU and the checkpoint's own dtype (None) elsewhere.
+
+    CPUs have no fast 16-bit matrix units to gain from, and 16-bit weights are exact in float32,
+    so a CPU engine computes in float32 by default: greedy decoding with a drafter is then lossless
+    bit for bit (bf16 verify blocks and 1-token decodes round near-ties differently).
+    """
+    if asked is not None:
+        return asked
+    return "float32" if device.type == "cpu" else None
+
+
 def build_engine(args: EngineArgs) -> tuple[LLMEngine, object, PoolMemory]:
     """(engine, tokenizer or None, pool memory); the caller owns the memory and closes it."""
     device = resolve_device(args.device)
+    dtype = compute_dtype(args.dtype, device)
     checkpoint = open_target_checkpoint(args.target)
     config = checkpoint.config
     draft_model = None
     if args.drafter is not None:
-        draft_model = load_drafter(args.drafter, config, dtype=args.dtype, device=device)
+        draft_model = load_drafter(args.drafter, config, dtype=dtype, device=device)
     taps = draft_model.target_layer_ids if draft_model is not None else ()
-    target, _ = load_target(checkpoint, tap_layer_ids=taps, dtype=args.dtype, device=device)
+    target, _ = load_target(checkpoint, tap_layer_ids=taps, dtype=dtype, device=device)
     num_draft = _num_speculative_tokens(args, draft_model)
     max_model_len = args.max_model_len or config.max_position_embeddings
     kv_dtype = str(target.embed_weight.dtype).removeprefix("torch.")
