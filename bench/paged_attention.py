@@ -204,7 +204,7 @@ def run_case(geo, pool, dtype_name, batch, ctx, q_len, tiles, device, sdpa_cache
 
 def sweep_shapes(geo) -> dict:
     """Representative (B, ctx, q_len) per regime: B 32 at the middle context, and the prefill."""
-    batch, ctx = (32 if geo is FULL else 2), geo["contexts"][1]
+    batch, ctx = (2 if geo is SMOKE else 32), geo["contexts"][1]
     return {"decode": (batch, ctx, 1), "verify": (batch, ctx, geo["q_lens"][-1]),
             "prefill": (1, geo["prefill"], geo["prefill"])}
 
@@ -247,7 +247,7 @@ def sweep(geo, pools, device, deadline) -> tuple[dict, dict]:
 def split_sweep(geo, pools, best, device, deadline) -> list[dict]:
     """The planned split count (None) against forced ones on small batches of long sequences."""
     rows = []
-    one, few = geo["batches"][:2]
+    one, few = (geo["batches"] * 2)[:2]  # one batch size given: both are it
     ctxs, q_len_max = geo["contexts"], geo["q_lens"][-1]
     for batch, ctx, q_len in ((one, ctxs[1], 1), (few, ctxs[1], 1), (one, ctxs[-1], q_len_max),
                               (few, ctxs[0], q_len_max)):
@@ -311,6 +311,7 @@ def main(argv=None) -> None:
     parser.add_argument("--smoke", action="store_true", help="tiny shapes (CPU through the interpreter)")
     parser.add_argument("--plot", type=Path, help="only redraw the PNG and markdown from this JSON")
     parser.add_argument("--no-sweep", action="store_true", help="use choose_tiles' defaults, no tile sweep")
+    parser.add_argument("--batches", type=int, nargs="+", help="only these batch sizes (default: all)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     if args.plot:
@@ -322,6 +323,8 @@ def main(argv=None) -> None:
     torch.manual_seed(0)
     deadline = Deadline(args.budget_s)
     geo = SMOKE if args.smoke else FULL
+    if args.batches:
+        geo = {**geo, "batches": tuple(args.batches)}
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu (interpreter)"
     now = datetime.datetime.now(datetime.timezone.utc).isoformat()
     result = dict(meta=dict(device=name, commit=args.commit, date=now,
