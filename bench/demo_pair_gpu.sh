@@ -15,11 +15,15 @@ WORK=/tmp/demo_gpu
 CORPUS=/tmp/corpus
 PAIR=$WORK/pair
 
+unpack_corpus() {  # sets $roots: stdlib first, then the packages in sorted order
+    python3 -c "import tarfile; tarfile.open('.corpus/corpus.tar.xz').extractall('/tmp', filter='data')"
+    roots=${ROOTS:-"$CORPUS/stdlib $(find "$CORPUS" -mindepth 1 -maxdepth 1 -type d ! -name stdlib | sort | tr '\n' ' ')"}
+}
+
 start() {
     mkdir -p "$WORK"
-    python3 -c "import tarfile; tarfile.open('.corpus/corpus.tar.xz').extractall('/tmp', filter='data')"
     local roots
-    roots=${ROOTS:-"$CORPUS/stdlib $(find "$CORPUS" -mindepth 1 -maxdepth 1 -type d ! -name stdlib | sort | tr '\n' ' ')"}
+    unpack_corpus
     local target_args="--corpus $roots --layers 6 --hidden 384 --heads 4 --kv-heads 2 --head-dim 64
         --intermediate 768 --seq-len 512 --batch-size 64 --warmup-steps 200 ${EXTRA_TARGET_ARGS:-}"
     local drafter_args="--corpus $roots --layers 2 --seq-len 384 --prompt-len 64 --gen-tokens 320
@@ -34,10 +38,9 @@ start() {
 
 start_drafter() {
     mkdir -p "$WORK/out" "$PAIR"
-    python3 -c "import tarfile; tarfile.open('.corpus/corpus.tar.xz').extractall('/tmp', filter='data')"
     cp -r "$1" "$PAIR/target"
     local roots
-    roots=${ROOTS:-"$CORPUS/stdlib $(find "$CORPUS" -mindepth 1 -maxdepth 1 -type d ! -name stdlib | sort | tr '\n' ' ')"}
+    unpack_corpus
     setsid nohup bash -c "python3 -m target_service.cli train drafter --target $PAIR/target --out $PAIR/drafter \
         --device ${DEVICE:-cuda} --seed ${SEED:-1} --time-budget ${DRAFTER_SECONDS:-480} --generated ${GENERATED:-32768} \
         --generated-fraction 0.75 --corpus $roots --layers ${DRAFT_LAYERS:-3} --seq-len 384 --prompt-len 64 \

@@ -16,7 +16,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.layers import apply_rope
 from target_service.training.dense_target import Attention, DenseQwen3
 from target_service.training.loop import autocast
 
@@ -25,9 +24,7 @@ def _attend_cached(attn: Attention, x: torch.Tensor, cos: torch.Tensor, sin: tor
                    cache_k: torch.Tensor, cache_v: torch.Tensor, start: int) -> torch.Tensor:
     """x [b, T, H] (input-normed) at positions start..start+T-1; writes its K/V into the caches
     [b, NKV, S, D] and attends causally over positions 0..start+T-1."""
-    q = apply_rope(attn.q_norm(attn.heads(x, attn.q_proj, attn.num_heads)), cos, sin)
-    k = apply_rope(attn.k_norm(attn.heads(x, attn.k_proj, attn.num_kv_heads)), cos, sin)
-    v = attn.heads(x, attn.v_proj, attn.num_kv_heads)
+    q, k, v = attn.qkv(x, cos, sin)
     end = start + x.shape[1]
     cache_k[:, :, start:end] = k.transpose(1, 2).to(cache_k.dtype)
     cache_v[:, :, start:end] = v.transpose(1, 2).to(cache_v.dtype)

@@ -52,11 +52,17 @@ class Attention(nn.Module):
     def heads(self, x: torch.Tensor, proj: nn.Linear, count: int) -> torch.Tensor:
         return proj(x).unflatten(-1, (count, self.head_dim))  # [..., T, heads, D]
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x [b, T, H] (already input-normed) -> [b, T, H], causal."""
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """x [b, T, H] (input-normed) -> q [b, T, NH, D], k and v [b, T, NKV, D]; q, k normed and rotated.
+
+        The one projection both the training forward and KV-cached generation (`dense_generate`) use."""
         q = apply_rope(self.q_norm(self.heads(x, self.q_proj, self.num_heads)), cos, sin)
         k = apply_rope(self.k_norm(self.heads(x, self.k_proj, self.num_kv_heads)), cos, sin)
-        v = self.heads(x, self.v_proj, self.num_kv_heads)
+        return q, k, self.heads(x, self.v_proj, self.num_kv_heads)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [b, T, H] (already input-normed) -> [b, T, H], causal."""
+        q, k, v = self.qkv(x, cos, sin)
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                              is_causal=True, enable_gqa=True)
         return self.o_proj(out.transpose(1, 2).flatten(-2))

@@ -4,8 +4,8 @@ A drafter is judged on predicting what the TARGET will say, so most of its train
 the target's (the DFlash recipe regenerates every response with the target). Continuations come
 from the frozen dense target with a KV cache (`dense_generate`: the served weights and math, many
 times faster than scheduler steps), greedy by default as acceptance is measured; the loss covers
-only the continuation. Raw corpus windows, loss on every token, keep the drafter honest on text the target
-did not write. Every row is padded to `seq_len`; `lengths` says where the real tokens end.
+only the continuation. Raw corpus windows, loss on every token, keep the drafter honest on text
+the target did not write. Every row is padded to `seq_len`; `lengths` says where the real tokens end.
 """
 
 from __future__ import annotations

@@ -184,11 +184,11 @@ def train_drafter(args: TrainDrafterArgs) -> dict:
     config = checkpoint.config
     mask_token_id = _mask_token(args, checkpoint)
     taps = parse_taps(args.taps, config.num_hidden_layers, args.layers)
-    eos_id = checkpoint.eos_token_ids[0] if checkpoint.eos_token_ids else mask_token_id
+    eos_id = checkpoint.eos_token_ids[0] if checkpoint.eos_token_ids else None
+    pad_id = mask_token_id if eos_id is None else eos_id  # separates documents and pads rows
     train_docs, held_docs = split_documents(load_documents(args.corpus), args.held_out_percent)
-    stream = token_stream(encode_documents(checkpoint.tokenizer, train_docs), eos_id)
-    generated = _generated(args, target, stream, checkpoint.eos_token_ids[0] if checkpoint.eos_token_ids
-                           else None, eos_id)
+    stream = token_stream(encode_documents(checkpoint.tokenizer, train_docs), pad_id)
+    generated = _generated(args, target, stream, eos_id, pad_id)
     config_json = drafter_config_json(
         json.loads((Path(args.target) / "config.json").read_text()), num_layers=args.layers,
         block_size=args.block_size, mask_token_id=mask_token_id, target_layer_ids=taps,
