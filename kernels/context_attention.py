@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import reference, split_kv
+from kernels import pdl, reference, split_kv
 from kernels.dispatch import resolve_backend
 from kernels.split_kv import finalize_state, merge_partial_chunks, num_splits_for, split_bounds
 from kernels.validation import (
@@ -98,11 +98,13 @@ def _context_attention_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, TOKENS_PER_BLOCK: tl.constexpr,
     ROWS: tl.constexpr, NOISE_PAD: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
     K_SCALE_MODE: tl.constexpr, V_SCALE_MODE: tl.constexpr,
-    COMPUTE: tl.constexpr, PRECISION: tl.constexpr,
+    COMPUTE: tl.constexpr, PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     kvh = tl.program_id(0)
     b = tl.program_id(1)
     split = tl.program_id(2)
+    pdl.wait_for_previous_grid(USE_PDL)
+    pdl.allow_next_grid(USE_PDL)
     # row r of the tile is query position r // GROUP of head kvh * GROUP + r % GROUP
     rows = tl.arange(0, ROWS)
     dims = tl.arange(0, HEAD_DIM)
@@ -183,6 +185,7 @@ def _context_merge_kernel(
     stride_ob, stride_oq, stride_oh, stride_od,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr,
     MERGE_ROWS: tl.constexpr, MERGE_COLS: tl.constexpr, MERGE_CHUNK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     # grid: (ROWS / MERGE_ROWS * HEAD_DIM / MERGE_COLS, NKV, B): a [MERGE_ROWS, MERGE_COLS] tile each
     col_blocks: tl.constexpr = HEAD_DIM // MERGE_COLS
@@ -191,6 +194,8 @@ def _context_merge_kernel(
     rows = (tl.program_id(0) // col_blocks) * MERGE_ROWS + tl.arange(0, MERGE_ROWS)
     cols = (tl.program_id(0) % col_blocks) * MERGE_COLS + tl.arange(0, MERGE_COLS)
     row_mask = rows < num_q * GROUP
+    pdl.wait_for_previous_grid(USE_PDL)  # the split kernel's partials
+    pdl.allow_next_grid(USE_PDL)
     count = num_splits_for(tl.load(ctx_lens_ptr + b), max_splits, min_tokens_per_split)
     prow = (b.to(tl.int64) * tl.num_programs(1) + kvh) * ROWS + rows
     acc, m_i, l_i = merge_partial_chunks(part_acc_ptr, part_lse_ptr, prow, row_mask, cols, cols < HEAD_DIM,
@@ -232,6 +237,7 @@ def _launch_context_attention(q, k_cache, v_cache, block_table, ctx_lens, k_nois
     k_arg, k_mode = scale_argument(k_scale)
     v_arg, v_mode = scale_argument(v_scale)
     compute, precision = _compute_dtype(q)
+    use_pdl = pdl.use_pdl(q.device)
     _context_attention_kernel[(num_kv_heads, batch, max_splits)](
         q, k_cache, v_cache, block_table, ctx_lens, k_noise, v_noise, out, part_acc, part_lse,
         k_arg, v_arg, scale * LOG2E, num_q, max_splits, min_tokens,
@@ -241,8 +247,8 @@ def _launch_context_attention(q, k_cache, v_cache, block_table, ctx_lens, k_nois
         part_lse.stride(0) if split else 0, part_lse.stride(1) if split else 0,
         GROUP=group, HEAD_DIM=head_dim, TOKENS_PER_BLOCK=tokens_per_block, ROWS=rows_pad,
         NOISE_PAD=noise_pad, BLOCK_N=config.block_n, SPLIT=split, K_SCALE_MODE=k_mode,
-        V_SCALE_MODE=v_mode, COMPUTE=compute, PRECISION=precision,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        V_SCALE_MODE=v_mode, COMPUTE=compute, PRECISION=precision, USE_PDL=use_pdl,
+        num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=use_pdl,
     )
     if split:
         merge_cols = min(config.merge_cols, head_dim)
@@ -251,7 +257,8 @@ def _launch_context_attention(q, k_cache, v_cache, block_table, ctx_lens, k_nois
             part_acc, part_lse, ctx_lens, out, num_q, max_splits, min_tokens,
             part_acc.stride(0), part_acc.stride(1), part_lse.stride(0), part_lse.stride(1), *out.stride(),
             GROUP=group, HEAD_DIM=head_dim, ROWS=rows_pad, MERGE_ROWS=config.merge_rows,
-            MERGE_COLS=merge_cols, MERGE_CHUNK=config.merge_chunk, num_warps=4,
+            MERGE_COLS=merge_cols, MERGE_CHUNK=config.merge_chunk, USE_PDL=use_pdl, num_warps=4,
+            launch_pdl=use_pdl,
         )
     return out
 

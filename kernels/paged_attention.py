@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import reference, split_kv
+from kernels import pdl, reference, split_kv
 from kernels.dispatch import resolve_backend
 from kernels.paged_attention_kernel import _paged_attention_kernel, launch_grid
 
@@ -29,6 +29,13 @@ PREFILL_ROWS = 128
 # Mean queries per sequence above which a batch is treated as prefill-heavy.
 MAX_VERIFY_QUERIES = 16
 MAX_KEY_TILE_BYTES = 32 << 10
+# The last split of a (query tile, KV head) to finish merges the partials itself when they hold at
+# most this many bytes (few query rows: decode, short verify blocks): one program reads them from
+# L2 in about a microsecond, where a merge kernel costs a second launch. Larger merges stay a kernel
+# of their own, spread over many programs.
+FUSED_MERGE_MAX_BYTES = 128 << 10
+# fp32 elements of partial state one fused-merge step holds per thread (register budget).
+FUSED_MERGE_ELEMENTS_PER_THREAD = 64
 
 _DOT_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
@@ -181,6 +188,15 @@ def _split_plan(num_items, num_heads, head_dim, tiles, num_splits, device) -> tu
     return max_splits, floor
 
 
+def _fused_merge_chunk(tiles: TileConfig, d_pad: int) -> int:
+    """Splits one fused-merge step loads: a [BLOCK_M, chunk, D] fp32 block within the register budget."""
+    elements = FUSED_MERGE_ELEMENTS_PER_THREAD * 32 * tiles.num_warps
+    chunk = 2
+    while chunk < 16 and tiles.block_m * 2 * chunk * d_pad <= elements:
+        chunk *= 2
+    return chunk
+
+
 def _launch_paged_attention(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale, k_scale,
                             v_scale, num_splits, out, tiles: TileConfig | None = None):
     num_tokens, num_heads, head_dim = q.shape
@@ -193,16 +209,22 @@ def _launch_paged_attention(q, k_cache, v_cache, block_table, seq_lens, query_st
     num_items = max(batch, triton.cdiv(num_tokens, tiles.block_q)) * num_kv_heads
     max_splits, min_tokens = _split_plan(num_items, num_heads, head_dim, tiles, num_splits, q.device)
     split = max_splits > 1
+    grid = launch_grid(num_tokens, batch, num_kv_heads, max_splits, tiles.block_q)
+    d_pad = max(16, triton.next_power_of_2(head_dim))
+    rows_per_tile = min(tiles.block_q, triton.cdiv(num_tokens, batch)) * group
+    fused = split and rows_per_tile * max_splits * head_dim * 4 <= FUSED_MERGE_MAX_BYTES
+    merge_chunk = _fused_merge_chunk(tiles, d_pad)
     if split:
         part_acc, part_lse = split_kv.alloc_partials(num_tokens * num_heads, max_splits, head_dim, q.device)
         split_lens = torch.empty(num_tokens, dtype=torch.int32, device=q.device)
     else:
         part_acc, part_lse, split_lens = q, q, seq_lens  # placeholders, never touched
+    counters = split_kv.arrival_counters(grid[0] * grid[1], q.device) if fused else seq_lens
     k_value, v_value, k_tensor, v_tensor, on_device = _scale_args(k_scale, v_scale, q.device)
     dot_dtype = _DOT_DTYPES[q.dtype] if q.device.type == "cuda" else tl.float32  # no bf16 math off GPU
-    grid = launch_grid(num_tokens, batch, num_kv_heads, max_splits, tiles.block_q)
+    use_pdl = pdl.use_pdl(q.device)
     _paged_attention_kernel[grid](
-        q, k_cache, v_cache, out, part_acc, part_lse, split_lens,
+        q, k_cache, v_cache, out, part_acc, part_lse, split_lens, counters,
         block_table, seq_lens, query_start_loc, k_tensor if on_device else q, v_tensor if on_device else q,
         scale or head_dim**-0.5, k_value, v_value, batch, max_splits, min_tokens,
         q.stride(0), q.stride(1),
@@ -213,12 +235,12 @@ def _launch_paged_attention(q, k_cache, v_cache, block_table, seq_lens, query_st
         part_lse.stride(0) if split else 0, part_lse.stride(1) if split else 0,
         block_table.stride(0),
         NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim,
-        D_PAD=max(16, triton.next_power_of_2(head_dim)),
-        BLOCK_Q=tiles.block_q, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
-        TOKENS_PER_BLOCK=k_cache.shape[1], SCALES_ON_DEVICE=on_device, SPLIT=split, DOT_DTYPE=dot_dtype,
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        D_PAD=d_pad, BLOCK_Q=tiles.block_q, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
+        TOKENS_PER_BLOCK=k_cache.shape[1], SCALES_ON_DEVICE=on_device, SPLIT=split,
+        FUSED_MERGE=fused, MERGE_CHUNK=merge_chunk, DOT_DTYPE=dot_dtype, USE_PDL=use_pdl,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages, launch_pdl=use_pdl,
     )
-    if split:
+    if split and not fused:
         rows_out = out.view(num_tokens * num_heads, head_dim) if out.is_contiguous() else torch.empty(
             num_tokens * num_heads, head_dim, dtype=out.dtype, device=out.device)
         split_kv.merge_partials(part_acc, part_lse, split_lens, rows_out, rows_per_length=num_heads,

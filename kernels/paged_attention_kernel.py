@@ -11,7 +11,9 @@ One kernel serves prefill chunks, verify blocks and decode, mixed in one launch.
 * axis 1 is the KV head: the tile packs its BLOCK_Q positions x GROUP query heads into BLOCK_M rows
   (row r = position r // GROUP, head r % GROUP), so each K/V tile is read once for the whole group.
 * axis 2 is the split of the keys (`kernels.split_kv`): one split writes the output directly;
-  several write partial states that `split_kv.merge_partials` folds.
+  several write partial states, folded either by the last split of the (tile, head) to finish
+  (FUSED_MERGE: few rows, so one program reads all partials quickly; no second launch) or by
+  `split_kv.merge_partials`.
 
 Query i of sequence b sits at ``seq_lens[b] - q_len + i`` and sees keys at positions <= its own.
 Key tiles entirely below the tile's first query position need no mask and take the fast loop;
@@ -23,7 +25,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.split_kv import finalize_state, num_splits_for, split_bounds
+from kernels import pdl
+from kernels.split_kv import arrive_last, finalize_state, merge_partial_chunks, num_splits_for, split_bounds
 
 
 @triton.jit
@@ -88,7 +91,7 @@ def _attend_key_tile(
 
 @triton.jit(do_not_specialize=["num_seqs", "max_splits", "min_tokens_per_split"])
 def _paged_attention_kernel(
-    Q, K, V, Out, PartAcc, PartLse, SplitLens,  #
+    Q, K, V, Out, PartAcc, PartLse, SplitLens, Counters,  #
     BlockTable, SeqLens, QueryStartLoc, KScale, VScale,  #
     sm_scale, k_scale, v_scale, num_seqs, max_splits, min_tokens_per_split,  #
     stride_qt, stride_qh,  #
@@ -100,12 +103,15 @@ def _paged_attention_kernel(
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,  #
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,  #
     TOKENS_PER_BLOCK: tl.constexpr, SCALES_ON_DEVICE: tl.constexpr, SPLIT: tl.constexpr,  #
-    DOT_DTYPE: tl.constexpr,
+    FUSED_MERGE: tl.constexpr, MERGE_CHUNK: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     # Last tiles first: a causal chunk's later tiles see more keys, so they should not be the tail.
     tile_id = tl.num_programs(0) - 1 - tl.program_id(0)
     kv_head = tl.program_id(1)
     split_id = tl.program_id(2)
+    pdl.wait_for_previous_grid(USE_PDL)
+    pdl.allow_next_grid(USE_PDL)
     seq = _find_seq(QueryStartLoc, num_seqs, tile_id, BLOCK_Q)
     q_start = tl.load(QueryStartLoc + seq)
     q_len = tl.load(QueryStartLoc + seq + 1) - q_start
@@ -123,10 +129,11 @@ def _paged_attention_kernel(
         if split_id >= num_splits:
             return
         lo, hi = split_bounds(kv_end, split_id, num_splits, BLOCK_N)
-        if (kv_head == 0) & (split_id == 0):
-            # The merge recomputes each row's split count from the same length.
-            tq = tl.arange(0, BLOCK_Q)
-            tl.store(SplitLens + q_start + tile_q0 + tq, kv_end + tq * 0, mask=tile_q0 + tq < q_len)
+        if not FUSED_MERGE:  # noqa: SIM102 (a constexpr test, pruned at compile time)
+            if (kv_head == 0) & (split_id == 0):
+                # The merge kernel recomputes each row's split count from the same length.
+                tq = tl.arange(0, BLOCK_Q)
+                tl.store(SplitLens + q_start + tile_q0 + tq, kv_end + tq * 0, mask=tile_q0 + tq < q_len)
 
     rows = tl.arange(0, BLOCK_M)
     q_off = tile_q0 + rows // GROUP
@@ -170,6 +177,14 @@ def _paged_attention_kernel(
         tl.store(PartAcc + prow[:, None] * stride_acc_row + split_id * stride_acc_split + d[None, :],
                  out, mask=io_mask)
         tl.store(PartLse + prow * stride_lse_row + split_id * stride_lse_split, lse, mask=row_ok)
+        if FUSED_MERGE:  # noqa: SIM102 (a constexpr test: no counter traffic without it)
+            if arrive_last(Counters + tile_id * tl.num_programs(1) + kv_head, num_splits):
+                acc, m_i, l_i = merge_partial_chunks(
+                    PartAcc, PartLse, prow, row_ok, d, d_ok, stride_acc_row, stride_acc_split,
+                    stride_lse_row, stride_lse_split, num_splits, MERGE_CHUNK)
+                out, _ = finalize_state(acc, m_i, l_i)
+                tl.store(Out + token[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+                         out.to(Out.dtype.element_ty), mask=io_mask)
     else:
         tl.store(Out + token[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
                  out.to(Out.dtype.element_ty), mask=io_mask)

@@ -39,6 +39,8 @@ Device helpers (``@triton.jit``, call them from your kernels)
     unnormalised running state (output ``acc / l_i``, lse ``m_i + log2(l_i)``); it loads 16
     splits a step; ``merge_partial_chunks(..., num_splits, SPLIT_CHUNK)`` picks the step
     ``fold_state(acc, m_i, l_i, acc_x, lse_x) -> (acc, m_i, l_i)``: fold one more normalised dense state
+    ``arrive_last(counter_ptr, count) -> bool``: after storing its partials, True in the last of
+    the work item's `count` splits to finish, which may then merge them in the same kernel
 
 A split kernel, in outline (grid: work items x max_splits)::
 
@@ -49,7 +51,8 @@ A split kernel, in outline (grid: work items x max_splits)::
     store acc at partial_acc[row, split_id, :] and lse at partial_lse[row, split_id] if split_id < count
 
 Host API
-    `min_tokens_per_split`, `plan_max_splits`, `alloc_partials`, and `merge_partials`: a generic
+    `min_tokens_per_split`, `plan_max_splits`, `alloc_partials`, `arrival_counters` (the zeroed
+    per-device counters `arrive_last` counts on), and `merge_partials`: a generic
     merge launcher for rows laid out as ``out`` [num_rows, D] that also folds one optional extra
     dense state (``extra_acc`` [num_rows, D], ``extra_lse`` [num_rows]), for example a suffix
     attended densely elsewhere.
@@ -62,6 +65,8 @@ import functools
 import torch
 import triton
 import triton.language as tl
+
+from kernels import pdl
 
 # Never fewer tokens per split than this, whatever the row count (FlashInfer's floor).
 MIN_TOKENS_PER_SPLIT = 128
@@ -135,8 +140,9 @@ def merge_partial_chunks(acc_ptr, lse_ptr, rows, row_mask, cols, col_mask, strid
     """Fold splits 0..num_splits-1 of rows `rows` [R] and columns `cols` [C], SPLIT_CHUNK at a time.
 
     Each step loads a [R, SPLIT_CHUNK, C] block of partials at once, so the loads of many splits
-    are in flight together (a split-by-split loop waits one L2 round trip per split). Returns the
-    unnormalised running state (acc [R, C], m_i [R], l_i [R]).
+    are in flight together (a split-by-split loop waits one L2 round trip per split). The loads
+    bypass L1 (".cg"): other programs wrote the partials, and an SM's L1 is not coherent with them.
+    Returns the unnormalised running state (acc [R, C], m_i [R], l_i [R]).
     """
     rows64 = rows.to(tl.int64)
     acc = tl.zeros([rows.shape[0], cols.shape[0]], dtype=tl.float32)
@@ -147,10 +153,11 @@ def merge_partial_chunks(acc_ptr, lse_ptr, rows, row_mask, cols, col_mask, strid
         splits = first + chunk
         live = row_mask[:, None] & (splits < num_splits)[None, :]  # [R, S]
         lse = tl.load(lse_ptr + rows64[:, None] * stride_lse_row + splits[None, :] * stride_lse_split,
-                      mask=live, other=float("-inf"))
+                      mask=live, other=float("-inf"), cache_modifier=".cg")
         part = tl.load(acc_ptr + rows64[:, None, None] * stride_acc_row
                        + splits[None, :, None] * stride_acc_split + cols[None, None, :],
-                       mask=live[:, :, None] & col_mask[None, None, :], other=0.0)  # [R, S, C]
+                       mask=live[:, :, None] & col_mask[None, None, :], other=0.0,
+                       cache_modifier=".cg")  # [R, S, C]
         m_new = tl.maximum(m_i, tl.max(lse, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no keys yet
         alpha = tl.exp2(m_i - m_safe)
@@ -159,6 +166,23 @@ def merge_partial_chunks(acc_ptr, lse_ptr, rows, row_mask, cols, col_mask, strid
         l_i = l_i * alpha + tl.sum(weight, 1)
         m_i = m_new
     return acc, m_i, l_i
+
+
+@triton.jit
+def arrive_last(counter_ptr, count):
+    """Count this program in at its work item's counter; True for the last of `count` arrivals.
+
+    Call it after the program's partial stores. The barrier orders every thread's stores before
+    the (single-thread) release; the acquire makes the other splits' partials visible to the last
+    one, which merges them in the same kernel (no merge launch) and resets the counter to 0 for
+    the next call, so the counters stay zero between calls without a memset.
+    """
+    tl.debug_barrier()
+    ticket = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
+    last = ticket == count - 1
+    if last:
+        tl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="gpu")
+    return last
 
 
 @triton.jit
@@ -176,7 +200,7 @@ def _merge_partials_kernel(
     stride_acc_row, stride_acc_split, stride_lse_row, stride_lse_split, stride_out_row,
     stride_extra_row,
     HEAD_DIM: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
-    HAS_EXTRA: tl.constexpr, HAS_OUT_LSE: tl.constexpr,
+    HAS_EXTRA: tl.constexpr, HAS_OUT_LSE: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     # grid: (cdiv(num_rows, BLOCK_ROWS), HEAD_DIM // BLOCK_D); a block never straddles two lengths
     # because BLOCK_ROWS divides rows_per_length (checked by the launcher).
@@ -185,6 +209,8 @@ def _merge_partials_kernel(
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     row_mask = rows < num_rows
     col_mask = cols < HEAD_DIM
+    pdl.wait_for_previous_grid(USE_PDL)  # the split kernel's partials and lengths
+    pdl.allow_next_grid(USE_PDL)
     length = tl.load(lens_ptr + row0 // rows_per_length)
     num_splits = num_splits_for(length, max_splits, min_tokens_per_split)
     acc, m_i, l_i = merge_partial_tile(acc_ptr, lse_ptr, rows, row_mask, cols, col_mask, stride_acc_row,
@@ -260,6 +286,43 @@ def alloc_partials(num_rows: int, max_splits: int, head_dim: int, device: torch.
     return acc, lse
 
 
+# Per device: the arrival counters of fused merges (see `arrival_counters`), and the buffers they
+# outgrew, kept alive because captured graphs may still point at them.
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+_OUTGROWN: list[torch.Tensor] = []
+
+
+def _device_key(device: torch.device) -> torch.device:
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def arrival_counters(num_items: int, device: torch.device) -> torch.Tensor:
+    """Int32 counters, one per work item, all zero, for kernels that merge in their last split.
+
+    Every kernel that counts arrivals (`arrive_last`) leaves its counters at zero again, so one
+    buffer per device serves every call without a memset: a CUDA graph captured after a first
+    (warm-up) call replays with no extra node. Calls on one device must therefore run in stream
+    order (one stream, or streams joined by events), as the engine's do. A buffer that has to grow
+    during graph capture cannot be zeroed then, so that call gets its own zero-filled buffer,
+    captured with it (one memset node per replay).
+    """
+    if num_items < 1:
+        raise ValueError(f"num_items must be >= 1, got {num_items}")
+    key = _device_key(device)
+    counters = _COUNTERS.get(key)
+    if counters is not None and counters.numel() >= num_items:
+        return counters
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return torch.zeros(num_items, dtype=torch.int32, device=device)
+    if counters is not None:
+        _OUTGROWN.append(counters)
+    size = max(num_items, 2 * counters.numel() if counters is not None else 1024)
+    _COUNTERS[key] = torch.zeros(size, dtype=torch.int32, device=device)
+    return _COUNTERS[key]
+
+
 def _check_merge_args(acc, lse, lengths, out, rows_per_length, extra_acc, extra_lse, out_lse):
     if acc.dim() != 3 or acc.dtype != torch.float32 or acc.stride(2) != 1:
         raise ValueError(f"partial_acc must be fp32 [rows, splits, D] with unit last stride, got "
@@ -317,6 +380,7 @@ def merge_partials(partial_acc, partial_lse, lengths, out, *, rows_per_length, m
     if head_dim & (head_dim - 1) or head_dim < 16:
         raise ValueError(f"D must be a power of two >= 16, got {head_dim}")
     has_extra = extra_acc is not None
+    use_pdl = pdl.use_pdl(partial_acc.device)
     grid = (triton.cdiv(num_rows, block_rows), head_dim // block_d)
     _merge_partials_kernel[grid](
         partial_acc, partial_lse, lengths, out, out_lse if out_lse is not None else partial_lse,
@@ -325,6 +389,6 @@ def merge_partials(partial_acc, partial_lse, lengths, out, *, rows_per_length, m
         partial_acc.stride(0), partial_acc.stride(1), partial_lse.stride(0), partial_lse.stride(1),
         out.stride(0), extra_acc.stride(0) if has_extra else 0,
         HEAD_DIM=head_dim, BLOCK_ROWS=block_rows, BLOCK_D=block_d,
-        HAS_EXTRA=has_extra, HAS_OUT_LSE=out_lse is not None,
+        HAS_EXTRA=has_extra, HAS_OUT_LSE=out_lse is not None, USE_PDL=use_pdl, launch_pdl=use_pdl,
     )
     return out

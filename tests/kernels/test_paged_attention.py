@@ -9,13 +9,14 @@ cannot pass.
 
 from __future__ import annotations
 
+import importlib
 import itertools
 
 import pytest
 import torch
 
 import kernels
-from kernels import reference
+from kernels import reference, split_kv
 from kernels.paged_attention import choose_tiles
 
 CUDA = torch.cuda.is_available()
@@ -131,6 +132,20 @@ def test_split_kv_matches_single_pass(num_splits):
     assert_close(run_kernel(batch, num_splits=num_splits), attention_f64(**batch), torch.float32)
 
 
+@pytest.mark.parametrize("fused", [True, False])
+def test_merge_in_the_last_split_and_merge_kernel_agree(fused, monkeypatch):
+    # decode and short verify rows: the last split of each (tile, head) merges, or a merge kernel does
+    monkeypatch.setattr(importlib.import_module("kernels.paged_attention"), "FUSED_MERGE_MAX_BYTES",
+                        (1 << 30) if fused else 0)
+
+    for _ in range(2):  # a second call needs the counters the first one left at zero
+        batch = make_batch([1, 2, 1], [200, 90, 37], 8, 2, 32)
+        assert_close(run_kernel(batch, num_splits=4), attention_f64(**batch), torch.float32)
+    if fused:
+        counters = split_kv.arrival_counters(1, torch.device(DEVICE))  # the buffer the calls used
+        assert int(counters.abs().sum()) == 0
+
+
 def test_empty_query_ranges_leave_other_sequences_intact():
     batch = make_batch([4, 0, 2], [10, 20, 5], 4, 2, 16)
     assert_close(run_kernel(batch, num_splits=3), attention_f64(**batch), torch.float32)
@@ -239,6 +254,22 @@ def test_gpu_fp8_cache_with_device_scales():
     batch["v_cache"] = (batch["v_cache"].float() / v_scale).to(torch.float8_e4m3fn)
     expected = attention_f64(**batch, k_scale=k_scale.item(), v_scale=v_scale.item())
     assert_close(run_kernel(batch, k_scale=k_scale, v_scale=v_scale), expected, torch.bfloat16)
+
+
+@pytest.mark.gpu
+def test_gpu_decode_graph_merging_in_the_last_split_replays_at_new_lengths():
+    # B 2 decode splits with the merge in the last split; each replay leaves the counters at zero
+    batch = make_batch([1, 1], [7000, 300], 32, 8, 128, dtype=torch.bfloat16, device="cuda")
+    out = torch.empty_like(batch["q"])
+    kernels.paged_attention(**batch, out=out)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        kernels.paged_attention(**batch, out=out)
+    for lens in ([7001, 301], [40, 6000], [7001, 1]):
+        batch["seq_lens"].copy_(torch.tensor(lens, dtype=torch.int32))
+        out.fill_(float("nan"))
+        graph.replay()
+        assert_close(out, attention_f64(**batch), torch.bfloat16)
 
 
 @pytest.mark.gpu

@@ -176,3 +176,54 @@ def test_merge_partials_rejects_bad_input():
         split_kv.merge_partials(acc, lse[:, :1], lens, out, rows_per_length=16, **common)
     with pytest.raises(ValueError, match="come together"):
         split_kv.merge_partials(acc, lse, lens, out, rows_per_length=16, extra_acc=out, **common)
+
+
+@triton.jit
+def _arrival_probe_kernel(counts_ptr, values_ptr, counters_ptr, sums_ptr, lasts_ptr, max_splits,
+                          BLOCK: tl.constexpr):
+    # program (item, split): splits below the item's count publish a value; the last one sums them
+    item = tl.program_id(0)
+    split = tl.program_id(1)
+    count = tl.load(counts_ptr + item)
+    if split < count:
+        lanes = tl.arange(0, BLOCK)
+        tl.store(values_ptr + (item * max_splits + split) * BLOCK + lanes, (split + 1) * (lanes + 1))
+        if split_kv.arrive_last(counters_ptr + item, count):
+            rows = tl.arange(0, 16)
+            published = tl.load(values_ptr + (item * max_splits + rows[:, None]) * BLOCK + lanes[None, :],
+                                mask=(rows < count)[:, None], other=0, cache_modifier=".cg")
+            tl.store(sums_ptr + item * BLOCK + lanes, tl.sum(published, 0))
+            tl.atomic_add(lasts_ptr + item, 1)
+
+
+def test_arrive_last_picks_one_merger_per_item_after_every_publish():
+    counts = torch.randint(1, 17, (6,), dtype=torch.int32).tolist()
+    counts[0] = 1  # an item that does not split
+    max_splits, block = 16, 16
+    device = torch.device(DEVICE)
+    counters = split_kv.arrival_counters(len(counts), device)
+    values = torch.zeros(len(counts), max_splits, block, dtype=torch.int32, device=DEVICE)
+    sums = torch.full((len(counts), block), -1, dtype=torch.int32, device=DEVICE)
+    lasts = torch.zeros(len(counts), dtype=torch.int32, device=DEVICE)
+    counts_t = torch.tensor(counts, dtype=torch.int32, device=DEVICE)
+    for _ in range(2):  # the counters are back at zero for a second call
+        sums.fill_(-1)
+        _arrival_probe_kernel[(len(counts), max_splits)](counts_t, values, counters, sums, lasts, max_splits,
+                                                         BLOCK=block)
+        lanes = torch.arange(1, block + 1)
+        expected = torch.stack([lanes * (n * (n + 1) // 2) for n in counts]).int()
+        assert torch.equal(sums.cpu(), expected)
+        assert int(counters[: len(counts)].abs().sum()) == 0
+    assert lasts.tolist() == [2] * len(counts)
+
+
+def test_arrival_counters_are_zero_shared_and_grow_without_freeing():
+    device = torch.device(DEVICE)
+    first = split_kv.arrival_counters(3, device)
+    assert first.dtype == torch.int32 and int(first.abs().sum()) == 0 and first.numel() >= 3
+    assert split_kv.arrival_counters(2, device).data_ptr() == first.data_ptr()
+    grown = split_kv.arrival_counters(first.numel() + 1, device)
+    assert grown.numel() > first.numel() and int(grown.abs().sum()) == 0
+    assert any(old.data_ptr() == first.data_ptr() for old in split_kv._OUTGROWN)  # kept alive
+    with pytest.raises(ValueError, match="num_items"):
+        split_kv.arrival_counters(0, device)

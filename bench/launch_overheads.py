@@ -1,0 +1,207 @@
+"""Small-batch launch costs side by side: PDL and the merge in the last split, on and off.
+
+    PYTHONPATH=. python bench/launch_overheads.py --out DIR [--commit HASH]
+
+Small batches are latency bound: two dependent kernels (split, merge) and their launch gap cost
+as much as the bytes. Two remedies, each behind a switch read at launch:
+- `kernels.pdl.ENABLED`: programmatic dependent launch (a kernel's programs start while the one
+  before it finishes, and wait for its writes);
+- `kernels.paged_attention.FUSED_MERGE_MAX_BYTES`: the paged kernel's last split of each
+  (tile, head) merges the partials itself (0 turns it off: a merge kernel runs instead).
+Every variant runs here on the same inputs, in one process, under CUDA graphs, with pab's timer
+(bench/paged_attention.py: Qwen3-8B geometry) and cab's (bench/context_attention.py: D 128, Q 16,
+group 4), next to SDPA over the same K/V gathered dense.
+
+Two ways to time a call: back to back (the graph holds only attention calls, as the kernel
+benches do; with PDL each call may overlap the previous call's tail), and "after another
+kernel" (each call follows a small elementwise kernel that rewrites q, as the projection before
+attention does; that kernel's own time, measured alone in the same way, is subtracted). The
+second is what a model sees. Writes DIR/launch_overheads.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import importlib
+import json
+import logging
+import os
+from pathlib import Path
+
+import context_attention as cab  # bench/ is sys.path[0]
+import paged_attention as pab
+import torch
+import triton
+
+import kernels
+from kernels import pdl, split_kv
+from kernels.paged_attention import _launch_paged_attention, choose_tiles
+
+log = logging.getLogger("bench.launch_overheads")
+paged_module = importlib.import_module("kernels.paged_attention")
+FUSED_DEFAULT = paged_module.FUSED_MERGE_MAX_BYTES
+
+PAGED_VARIANTS = {  # name -> (PDL, merge in the last split)
+    "merge kernel": (False, False), "merge kernel + PDL": (True, False),
+    "fused": (False, True), "fused + PDL": (True, True),
+}
+CONTEXT_VARIANTS = {"no PDL": False, "PDL": True}
+
+
+def with_switches(use_pdl: bool, fused: bool, measure):
+    pdl.ENABLED = use_pdl
+    paged_module.FUSED_MERGE_MAX_BYTES = FUSED_DEFAULT if fused else 0
+    try:
+        return measure()
+    finally:
+        pdl.ENABLED = True
+        paged_module.FUSED_MERGE_MAX_BYTES = FUSED_DEFAULT
+
+
+def both_timings(calls, touch_inputs) -> dict:
+    """us per call back to back, and after a small non-PDL kernel (its own time subtracted)."""
+    n = len(calls)
+    back_to_back = pab.time_calls(calls, torch.device("cuda")) * 1e6
+    pre = [touch_inputs(i) for i in range(n)]
+    interleaved = [c for pair in zip(pre, calls) for c in pair]
+    total = pab.time_calls(interleaved, torch.device("cuda")) * 1e6 * 2 * n
+    alone = pab.time_calls(pre, torch.device("cuda")) * 1e6 * n
+    return {"back_to_back_us": back_to_back, "after_kernel_us": (total - alone) / n}
+
+
+def paged_rows(device) -> list[dict]:
+    geo = pab.FULL
+    rows = []
+    pools = {name: pab.Pool(geo, 16 * 32768 + 64 * geo["tpb"], dtype, device)
+             for name, dtype in pab.DTYPES.items()}
+    for dtype_name, pool in pools.items():
+        for q_len in (1, 8):
+            if dtype_name == "fp8" and q_len != 1:
+                continue
+            for batch in (1, 2, 4, 8, 16):
+                for ctx in (2048, 8192, 32768):
+                    rows.append(paged_case(geo, pool, dtype_name, batch, ctx, q_len, device))
+                    log.info("%s", rows[-1])
+    return rows
+
+
+def paged_case(geo, pool, dtype_name, batch, ctx, q_len, device) -> dict:
+    heads, head_dim = geo["heads"], geo["head_dim"]
+    group = heads // geo["kv_heads"]
+    pages = triton.cdiv(ctx, geo["tpb"])
+    kv_bytes = batch * ctx * geo["kv_heads"] * head_dim * 2 * pool.arena.element_size()
+    sets = max(1, min(pab.MAX_SETS, triton.cdiv(pab.ROTATE_BYTES, kv_bytes),
+                      pool.num_blocks // (batch * pages)))
+    tables = pool.tables(batch, pages, sets)
+    qs = [torch.randn(batch * q_len, heads, head_dim, device=device, dtype=torch.bfloat16) for _ in tables]
+    out = torch.empty_like(qs[0])
+    seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
+    starts = (torch.arange(batch + 1, device=device) * q_len).int()
+    scales = {}
+    if dtype_name == "fp8":
+        scales = dict(k_scale=torch.tensor(pab.K_SCALE, device=device),
+                      v_scale=torch.tensor(pab.V_SCALE, device=device))
+    tiles = choose_tiles(batch * q_len, batch, group, head_dim, device, pool.k.dtype)
+    calls = [functools.partial(_launch_paged_attention, q, pool.k, pool.v, t, seq_lens, starts, None,
+                               scales.get("k_scale"), scales.get("v_scale"), None, out, tiles)
+             for q, t in zip(qs, tables)]
+    touch = lambda i: functools.partial(torch.mul, qs[i], 1.0, out=qs[i])
+    row = {"kernel": "paged", "dtype": dtype_name, "batch": batch, "ctx": ctx, "q_len": q_len,
+           "kv_bytes": kv_bytes,
+           "items": max(batch, triton.cdiv(batch * q_len, tiles.block_q)) * geo["kv_heads"]}
+    row["splits"] = split_kv.plan_max_splits(row["items"], device)
+    for name, (use_pdl, fused) in PAGED_VARIANTS.items():
+        row[name] = with_switches(use_pdl, fused, lambda: both_timings(calls, touch))
+    if dtype_name == "bf16":
+        dense = [pool.dense(t, ctx) for t in tables]
+        qd = [q.view(batch, q_len, heads, head_dim).transpose(1, 2) for q in qs]
+        sdpa = [pab.sdpa_call(q, k, v, q_len, ctx) for q, (k, v) in zip(qd, dense)]
+        row["sdpa"] = both_timings(sdpa, touch)
+        del dense
+    return row
+
+
+def context_rows(device, gen) -> list[dict]:
+    rows = []
+    for dtype_name in ("bf16", "fp8"):
+        for nkv in (4, 8):
+            for batch in (1, 2, 4, 8, 64):
+                for ctx in (2048, 8192, 32768):
+                    if batch == 64 and ctx != 8192:
+                        continue
+                    rows.append(context_case(device, gen, dtype_name, nkv, batch, ctx))
+                    log.info("%s", rows[-1])
+                    torch.cuda.empty_cache()
+    return rows
+
+
+def context_case(device, gen, dtype_name, nkv, batch, ctx) -> dict:
+    sets, kv_bytes = cab.make_sets(batch, ctx, nkv, dtype_name, device, gen)
+    outs = [torch.empty_like(s["q"]) for s in sets]
+    calls = [functools.partial(kernels.paged_context_attention, **s, out=o, **cab.scales(dtype_name))
+             for s, o in zip(sets, outs)]
+    touch = lambda i: functools.partial(torch.mul, sets[i]["q"], 1.0, out=sets[i]["q"])
+    row = {"kernel": "context", "dtype": dtype_name, "nkv": nkv, "batch": batch, "ctx": ctx,
+           "kv_bytes": kv_bytes, "splits": split_kv.plan_max_splits(batch * nkv, device)}
+    for name, use_pdl in CONTEXT_VARIANTS.items():
+        row[name] = with_switches(use_pdl, True, lambda: both_timings(calls, touch))
+    return row
+
+
+def _cell(timing: dict | None) -> str:
+    if timing is None:
+        return "-"
+    return f"{timing['back_to_back_us']:.1f} / {timing['after_kernel_us']:.1f}"
+
+
+def markdown(result) -> str:
+    lines = [f"# Launch costs at small batches: PDL and the merge in the last split ({result['device']})", "",
+             f"commit `{result['commit']}`, {result['date']}, torch {result['torch']}, "
+             f"triton {result['triton']}, PDL available: {result['pdl_available']}. "
+             f"Command: `{result['command']}`.", "",
+             "Each cell: us per call back to back / us per call after another (non-PDL) kernel, under CUDA "
+             "graphs, inputs rotated past L2, same inputs and process for every column.", "",
+             "## Paged attention (Qwen3-8B geometry: 32 heads, 8 KV heads, D 128)", ""]
+    names = [*PAGED_VARIANTS, "sdpa"]
+    lines += ["| dtype | q_len | B | ctx | splits | " + " | ".join(names)
+              + " | SDPA / fused+PDL (after kernel) |",
+              "|" + "---|" * (6 + len(names))]
+    for r in result["paged"]:
+        ratio = "-"
+        if r.get("sdpa"):
+            ratio = f"{r['sdpa']['after_kernel_us'] / r['fused + PDL']['after_kernel_us']:.2f}x"
+        lines.append(f"| {r['dtype']} | {r['q_len']} | {r['batch']} | {r['ctx']} | {r['splits']} | "
+                     + " | ".join(_cell(r.get(n)) for n in names) + f" | {ratio} |")
+    lines += ["", "## Context attention (D 128, Q 16, group 4)", "",
+              "| dtype | NKV | B | ctx | splits | " + " | ".join(CONTEXT_VARIANTS) + " |",
+              "|" + "---|" * (5 + len(CONTEXT_VARIANTS))]
+    for r in result["context"]:
+        lines.append(f"| {r['dtype']} | {r['nkv']} | {r['batch']} | {r['ctx']} | {r['splits']} | "
+                     + " | ".join(_cell(r[n]) for n in CONTEXT_VARIANTS) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    parser.add_argument("--commit", default=os.environ.get("COMMIT", "unknown"))
+    parser.add_argument("--only", choices=("paged", "context"), default=None)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    device = torch.device("cuda")
+    result = {"device": torch.cuda.get_device_name(), "commit": args.commit,
+              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "torch": torch.__version__, "triton": triton.__version__,
+              "pdl_available": pdl.use_pdl(device),
+              "command": f"PYTHONPATH=. python bench/launch_overheads.py --out DIR --commit {args.commit}"}
+    result["paged"] = paged_rows(device) if args.only != "context" else []
+    result["context"] = context_rows(device, torch.Generator().manual_seed(0)) if args.only != "paged" else []
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "launch_overheads.json").write_text(json.dumps(result, indent=2) + "\n")
+    (args.out / "launch_overheads.md").write_text(markdown(result))
+
+
+if __name__ == "__main__":
+    main()
