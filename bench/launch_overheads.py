@@ -6,8 +6,9 @@ Small batches are latency bound: two dependent kernels (split, merge) and their 
 as much as the bytes. Two remedies, each behind a switch read at launch:
 - `kernels.pdl.ENABLED`: programmatic dependent launch (a kernel's programs start while the one
   before it finishes, and wait for its writes);
-- `kernels.paged_attention.FUSED_MERGE_MAX_BYTES`: the paged kernel's last split of each
-  (tile, head) merges the partials itself (0 turns it off: a merge kernel runs instead).
+- `kernels.paged_attention.FUSED_MERGE_MAX_SPLITS`: the paged kernel's last split of each
+  (tile, head) merges the partials itself when its rule holds (verify blocks split at most that
+  many ways); 0 turns it off, so a merge kernel always runs (the behaviour before it).
 Every variant runs here on the same inputs, in one process, under CUDA graphs, with pab's timer
 (bench/paged_attention.py: Qwen3-8B geometry) and cab's (bench/context_attention.py: D 128, Q 16,
 group 4), next to SDPA over the same K/V gathered dense.
@@ -41,23 +42,23 @@ from kernels.paged_attention import _launch_paged_attention, choose_tiles
 
 log = logging.getLogger("bench.launch_overheads")
 paged_module = importlib.import_module("kernels.paged_attention")
-FUSED_DEFAULT = paged_module.FUSED_MERGE_MAX_BYTES
+FUSED_DEFAULT = paged_module.FUSED_MERGE_MAX_SPLITS
 
-PAGED_VARIANTS = {  # name -> (PDL, merge in the last split)
-    "merge kernel": (False, False), "merge kernel + PDL": (True, False),
-    "fused": (False, True), "fused + PDL": (True, True),
+PAGED_VARIANTS = {  # name -> (PDL, FUSED_MERGE_MAX_SPLITS)
+    "merge kernel": (False, 0), "merge kernel + PDL": (True, 0),
+    "default rule": (False, FUSED_DEFAULT), "default rule + PDL": (True, FUSED_DEFAULT),
 }
 CONTEXT_VARIANTS = {"no PDL": False, "PDL": True}
 
 
-def with_switches(use_pdl: bool, fused: bool, measure):
+def with_switches(use_pdl: bool, fused_max_splits: int, measure):
     pdl.ENABLED = use_pdl
-    paged_module.FUSED_MERGE_MAX_BYTES = FUSED_DEFAULT if fused else 0
+    paged_module.FUSED_MERGE_MAX_SPLITS = fused_max_splits
     try:
         return measure()
     finally:
         pdl.ENABLED = True
-        paged_module.FUSED_MERGE_MAX_BYTES = FUSED_DEFAULT
+        paged_module.FUSED_MERGE_MAX_SPLITS = FUSED_DEFAULT
 
 
 def both_timings(calls, touch_inputs) -> dict:
@@ -78,8 +79,6 @@ def paged_rows(device) -> list[dict]:
              for name, dtype in pab.DTYPES.items()}
     for dtype_name, pool in pools.items():
         for q_len in (1, 8):
-            if dtype_name == "fp8" and q_len != 1:
-                continue
             for batch in (1, 2, 4, 8, 16):
                 for ctx in (2048, 8192, 32768):
                     rows.append(paged_case(geo, pool, dtype_name, batch, ctx, q_len, device))
@@ -112,8 +111,8 @@ def paged_case(geo, pool, dtype_name, batch, ctx, q_len, device) -> dict:
            "kv_bytes": kv_bytes,
            "items": max(batch, triton.cdiv(batch * q_len, tiles.block_q)) * geo["kv_heads"]}
     row["splits"] = split_kv.plan_max_splits(row["items"], device)
-    for name, (use_pdl, fused) in PAGED_VARIANTS.items():
-        row[name] = with_switches(use_pdl, fused, lambda: both_timings(calls, touch))
+    for name, (use_pdl, fused_max_splits) in PAGED_VARIANTS.items():
+        row[name] = with_switches(use_pdl, fused_max_splits, lambda: both_timings(calls, touch))
     if dtype_name == "bf16":
         dense = [pool.dense(t, ctx) for t in tables]
         qd = [q.view(batch, q_len, heads, head_dim).transpose(1, 2) for q in qs]
@@ -146,8 +145,53 @@ def context_case(device, gen, dtype_name, nkv, batch, ctx) -> dict:
     row = {"kernel": "context", "dtype": dtype_name, "nkv": nkv, "batch": batch, "ctx": ctx,
            "kv_bytes": kv_bytes, "splits": split_kv.plan_max_splits(batch * nkv, device)}
     for name, use_pdl in CONTEXT_VARIANTS.items():
-        row[name] = with_switches(use_pdl, True, lambda: both_timings(calls, touch))
+        row[name] = with_switches(use_pdl, FUSED_DEFAULT, lambda: both_timings(calls, touch))
     return row
+
+
+def device_times(calls, sdpa_calls=None, repeats=100) -> dict:
+    """Device us per call of each kernel (torch.profiler, eager, no graph): where a call's time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for call in calls:
+        call()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for i in range(repeats):
+            calls[i % len(calls)]()
+        torch.cuda.synchronize()
+    times = {}
+    for event in prof.key_averages():
+        total = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0)
+        if total and event.count >= repeats:
+            times[event.key[:70]] = round(total / event.count, 2)
+    return times
+
+
+def breakdowns(device, gen) -> list[dict]:
+    """Per-kernel device time at B 1: paged decode (ours and SDPA's kernels) and the context kernel."""
+    geo = pab.FULL
+    pool = pab.Pool(geo, 64 * 8192, torch.bfloat16, device)
+    rows = []
+    for ctx in (2048, 8192):
+        tables = pool.tables(1, triton.cdiv(ctx, geo["tpb"]), 32)
+        q = torch.randn(1, geo["heads"], geo["head_dim"], device=device, dtype=torch.bfloat16)
+        seq_lens = torch.full((1,), ctx, dtype=torch.int32, device=device)
+        starts = torch.tensor([0, 1], dtype=torch.int32, device=device)
+        calls = [functools.partial(kernels.paged_attention, q, pool.k, pool.v, t, seq_lens, starts)
+                 for t in tables]
+        dense = [pool.dense(t, ctx) for t in tables[:8]]
+        qd = q.view(1, 1, geo["heads"], geo["head_dim"]).transpose(1, 2)
+        sdpa = [pab.sdpa_call(qd, k, v, 1, ctx) for k, v in dense]
+        rows.append({"case": f"paged decode bf16 B 1 ctx {ctx}", "ours": device_times(calls),
+                     "sdpa": device_times(sdpa)})
+        log.info("%s", rows[-1])
+    sets, _ = cab.make_sets(1, 8192, 4, "bf16", device, gen)
+    outs = [torch.empty_like(s["q"]) for s in sets]
+    calls = [functools.partial(kernels.paged_context_attention, **s, out=o) for s, o in zip(sets, outs)]
+    rows.append({"case": "context bf16 B 1 ctx 8192 NKV 4", "ours": device_times(calls)})
+    log.info("%s", rows[-1])
+    return rows
 
 
 def _cell(timing: dict | None) -> str:
@@ -166,12 +210,12 @@ def markdown(result) -> str:
              "## Paged attention (Qwen3-8B geometry: 32 heads, 8 KV heads, D 128)", ""]
     names = [*PAGED_VARIANTS, "sdpa"]
     lines += ["| dtype | q_len | B | ctx | splits | " + " | ".join(names)
-              + " | SDPA / fused+PDL (after kernel) |",
+              + " | SDPA / default + PDL (after kernel) |",
               "|" + "---|" * (6 + len(names))]
     for r in result["paged"]:
         ratio = "-"
         if r.get("sdpa"):
-            ratio = f"{r['sdpa']['after_kernel_us'] / r['fused + PDL']['after_kernel_us']:.2f}x"
+            ratio = f"{r['sdpa']['after_kernel_us'] / r['default rule + PDL']['after_kernel_us']:.2f}x"
         lines.append(f"| {r['dtype']} | {r['q_len']} | {r['batch']} | {r['ctx']} | {r['splits']} | "
                      + " | ".join(_cell(r.get(n)) for n in names) + f" | {ratio} |")
     lines += ["", "## Context attention (D 128, Q 16, group 4)", "",
@@ -180,6 +224,12 @@ def markdown(result) -> str:
     for r in result["context"]:
         lines.append(f"| {r['dtype']} | {r['nkv']} | {r['batch']} | {r['ctx']} | {r['splits']} | "
                      + " | ".join(_cell(r[n]) for n in CONTEXT_VARIANTS) + " |")
+    lines += ["", "## Device time per kernel at B 1 (torch.profiler, eager, mean of 100 calls)", ""]
+    for b in result["breakdowns"]:
+        for who in ("ours", "sdpa"):
+            if who in b:
+                cells = ", ".join(f"`{name}` {us:.2f} us" for name, us in b[who].items())
+                lines.append(f"- {b['case']}, {who}: {cells}")
     return "\n".join(lines) + "\n"
 
 
@@ -196,6 +246,7 @@ def main() -> None:
               "torch": torch.__version__, "triton": triton.__version__,
               "pdl_available": pdl.use_pdl(device),
               "command": f"PYTHONPATH=. python bench/launch_overheads.py --out DIR --commit {args.commit}"}
+    result["breakdowns"] = breakdowns(device, torch.Generator().manual_seed(1))
     result["paged"] = paged_rows(device) if args.only != "context" else []
     result["context"] = context_rows(device, torch.Generator().manual_seed(0)) if args.only != "paged" else []
     args.out.mkdir(parents=True, exist_ok=True)

@@ -104,7 +104,6 @@ def _context_attention_kernel(
     b = tl.program_id(1)
     split = tl.program_id(2)
     pdl.wait_for_previous_grid(USE_PDL)
-    pdl.allow_next_grid(USE_PDL)
     # row r of the tile is query position r // GROUP of head kvh * GROUP + r % GROUP
     rows = tl.arange(0, ROWS)
     dims = tl.arange(0, HEAD_DIM)
@@ -153,6 +152,7 @@ def _context_attention_kernel(
         acc, m_i, l_i = _attend_tile(q, k.to(COMPUTE), v.to(COMPUTE), valid, acc, m_i, l_i, ctx_scale,
                                      ctx_v_scale, V_SCALE_MODE != 0, COMPUTE, PRECISION)
 
+    pdl.allow_next_grid(USE_PDL)  # the context is read: the merge may be scheduled
     # noise suffix: all Q dense keys, folded once per request and head (by split 0)
     if split == 0:
         js = tl.arange(0, NOISE_PAD)

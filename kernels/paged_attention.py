@@ -29,11 +29,11 @@ PREFILL_ROWS = 128
 # Mean queries per sequence above which a batch is treated as prefill-heavy.
 MAX_VERIFY_QUERIES = 16
 MAX_KEY_TILE_BYTES = 32 << 10
-# The last split of a (query tile, KV head) to finish merges the partials itself when they hold at
-# most this many bytes (few query rows: decode, short verify blocks): one program reads them from
-# L2 in about a microsecond, where a merge kernel costs a second launch. Larger merges stay a kernel
-# of their own, spread over many programs.
-FUSED_MERGE_MAX_BYTES = 128 << 10
+# The last split of a (query tile, KV head) to finish merges the partials itself, with no merge
+# kernel, for verify blocks split at most this many ways: measured 5-10% faster at B 8-16, q_len 8
+# on an H200 (bench/results/launch_overheads.md). Decode, whose merge kernel is small, and deeper
+# splits, whose merge steps run one after another in that one program, keep the merge kernel.
+FUSED_MERGE_MAX_SPLITS = 4
 # fp32 elements of partial state one fused-merge step holds per thread (register budget).
 FUSED_MERGE_ELEMENTS_PER_THREAD = 64
 
@@ -211,8 +211,7 @@ def _launch_paged_attention(q, k_cache, v_cache, block_table, seq_lens, query_st
     split = max_splits > 1
     grid = launch_grid(num_tokens, batch, num_kv_heads, max_splits, tiles.block_q)
     d_pad = max(16, triton.next_power_of_2(head_dim))
-    rows_per_tile = min(tiles.block_q, triton.cdiv(num_tokens, batch)) * group
-    fused = split and rows_per_tile * max_splits * head_dim * 4 <= FUSED_MERGE_MAX_BYTES
+    fused = split and num_tokens > batch and max_splits <= FUSED_MERGE_MAX_SPLITS
     merge_chunk = _fused_merge_chunk(tiles, d_pad)
     if split:
         part_acc, part_lse = split_kv.alloc_partials(num_tokens * num_heads, max_splits, head_dim, q.device)

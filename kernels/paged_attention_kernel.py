@@ -111,7 +111,6 @@ def _paged_attention_kernel(
     kv_head = tl.program_id(1)
     split_id = tl.program_id(2)
     pdl.wait_for_previous_grid(USE_PDL)
-    pdl.allow_next_grid(USE_PDL)
     seq = _find_seq(QueryStartLoc, num_seqs, tile_id, BLOCK_Q)
     q_start = tl.load(QueryStartLoc + seq)
     q_len = tl.load(QueryStartLoc + seq + 1) - q_start
@@ -170,6 +169,7 @@ def _paged_attention_kernel(
             stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
             HEAD_DIM, D_PAD, BLOCK_N, TOKENS_PER_BLOCK, True, DOT_DTYPE)
 
+    pdl.allow_next_grid(USE_PDL)  # the keys are read: the merge may be scheduled
     out, lse = finalize_state(acc, m_i, l_i)
     out = out * v_scale  # V's fp8 dequant is uniform over keys: apply it once, after the sum
     if SPLIT:

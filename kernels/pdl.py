@@ -7,9 +7,10 @@ kernels (the split and merge kernels of split-KV, or attention after the project
 queries), a few microseconds that dominate small-batch calls.
 
 Rule for kernels: call `wait_for_previous_grid` before the first load of any input and the first
-store of any output (only index arithmetic may run before it), then `allow_next_grid` to let the
-next PDL kernel be scheduled. With USE_PDL false both compile to nothing; the interpreter and GPUs
-before sm_90 always get false.
+store of any output (only index arithmetic may run before it), and `allow_next_grid` once the
+heavy work is done, to let the next PDL kernel be scheduled once every program of this grid has
+called it or exited (its programs then hold SM slots while they wait for this grid to end). With
+USE_PDL false both compile to nothing; the interpreter and GPUs before sm_90 always get false.
 """
 
 from __future__ import annotations

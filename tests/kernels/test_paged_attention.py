@@ -135,8 +135,8 @@ def test_split_kv_matches_single_pass(num_splits):
 @pytest.mark.parametrize("fused", [True, False])
 def test_merge_in_the_last_split_and_merge_kernel_agree(fused, monkeypatch):
     # decode and short verify rows: the last split of each (tile, head) merges, or a merge kernel does
-    monkeypatch.setattr(importlib.import_module("kernels.paged_attention"), "FUSED_MERGE_MAX_BYTES",
-                        (1 << 30) if fused else 0)
+    monkeypatch.setattr(importlib.import_module("kernels.paged_attention"), "FUSED_MERGE_MAX_SPLITS",
+                        split_kv.MAX_SPLITS if fused else 0)
 
     for _ in range(2):  # a second call needs the counters the first one left at zero
         batch = make_batch([1, 2, 1], [200, 90, 37], 8, 2, 32)
@@ -257,15 +257,16 @@ def test_gpu_fp8_cache_with_device_scales():
 
 
 @pytest.mark.gpu
-def test_gpu_decode_graph_merging_in_the_last_split_replays_at_new_lengths():
-    # B 2 decode splits with the merge in the last split; each replay leaves the counters at zero
-    batch = make_batch([1, 1], [7000, 300], 32, 8, 128, dtype=torch.bfloat16, device="cuda")
+def test_gpu_verify_graph_merging_in_the_last_split_replays_at_new_lengths():
+    # B 8 verify blocks split <= 4 ways merge in their last split; each replay leaves the counters
+    # at zero for the next (lengths stay within each sequence's pages)
+    batch = make_batch([8] * 8, [3000] * 4 + [500] * 4, 32, 8, 128, dtype=torch.bfloat16, device="cuda")
     out = torch.empty_like(batch["q"])
     kernels.paged_attention(**batch, out=out)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         kernels.paged_attention(**batch, out=out)
-    for lens in ([7001, 301], [40, 6000], [7001, 1]):
+    for lens in ([3008] * 4 + [508] * 4, [9, 3000, 200, 8, 508, 100, 8, 300], [1000] * 4 + [8] * 4):
         batch["seq_lens"].copy_(torch.tensor(lens, dtype=torch.int32))
         out.fill_(float("nan"))
         graph.replay()
