@@ -30,17 +30,31 @@ from kernels.split_kv import arrive_last, finalize_state, merge_partial_chunks, 
 
 
 @triton.jit
-def _find_seq(QueryStartLoc, num_seqs, tile_id, BLOCK_Q: tl.constexpr):
-    """The sequence owning query tile `tile_id`: the last b with qsl[b] // BLOCK_Q + b <= tile_id."""
-    lo = num_seqs * 0
-    hi = num_seqs
-    while lo < hi:
-        mid = (lo + hi) // 2
-        first_tile = tl.load(QueryStartLoc + mid) // BLOCK_Q + mid
-        below = first_tile <= tile_id
-        lo = tl.where(below, mid + 1, lo)
-        hi = tl.where(below, hi, mid)
-    return lo - 1
+def _find_seq(QueryStartLoc, num_seqs, tile_id, BLOCK_Q: tl.constexpr, SEARCH: tl.constexpr):
+    """The sequence owning query tile `tile_id`: the last b with qsl[b] // BLOCK_Q + b <= tile_id.
+
+    SEARCH > 1: those b form a prefix (first tiles never decrease), so count them, SEARCH entries
+    of query_start_loc per load: one round trip for B < SEARCH, and the loads of larger batches
+    do not depend on each other. SEARCH == 1: a binary search, one dependent load per halving.
+    """
+    if SEARCH > 1:
+        count = num_seqs * 0
+        for first in range(0, num_seqs, SEARCH):
+            b = first + tl.arange(0, SEARCH)
+            live = b < num_seqs
+            starts = tl.load(QueryStartLoc + b, mask=live, other=0)
+            count += tl.sum((live & (starts // BLOCK_Q + b <= tile_id)).to(tl.int32), 0)
+        return count - 1
+    else:
+        lo = num_seqs * 0
+        hi = num_seqs
+        while lo < hi:
+            mid = (lo + hi) // 2
+            first_tile = tl.load(QueryStartLoc + mid) // BLOCK_Q + mid
+            below = first_tile <= tile_id
+            lo = tl.where(below, mid + 1, lo)
+            hi = tl.where(below, hi, mid)
+        return lo - 1
 
 
 @triton.jit
@@ -104,14 +118,14 @@ def _paged_attention_kernel(
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,  #
     TOKENS_PER_BLOCK: tl.constexpr, SCALES_ON_DEVICE: tl.constexpr, SPLIT: tl.constexpr,  #
     FUSED_MERGE: tl.constexpr, MERGE_CHUNK: tl.constexpr, DOT_DTYPE: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    USE_PDL: tl.constexpr, SEQ_SEARCH: tl.constexpr,
 ):
     # Last tiles first: a causal chunk's later tiles see more keys, so they should not be the tail.
     tile_id = tl.num_programs(0) - 1 - tl.program_id(0)
     kv_head = tl.program_id(1)
     split_id = tl.program_id(2)
     pdl.wait_for_previous_grid(USE_PDL)
-    seq = _find_seq(QueryStartLoc, num_seqs, tile_id, BLOCK_Q)
+    seq = _find_seq(QueryStartLoc, num_seqs, tile_id, BLOCK_Q, SEQ_SEARCH)
     q_start = tl.load(QueryStartLoc + seq)
     q_len = tl.load(QueryStartLoc + seq + 1) - q_start
     tile_q0 = (tile_id - (q_start // BLOCK_Q + seq)) * BLOCK_Q  # first query of the tile, in seq

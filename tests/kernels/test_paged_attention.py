@@ -110,6 +110,17 @@ def test_every_query_count_from_1_to_16():
     assert_close(run_kernel(batch), attention_f64(**batch), torch.float16)
 
 
+@pytest.mark.parametrize("search", [1, 16, 64])
+def test_every_program_finds_its_sequence_however_it_searches(search, monkeypatch):
+    # 37 sequences of mixed query counts (empty ones too): several 16-wide search steps, or bisection
+    monkeypatch.setattr(importlib.import_module("kernels.paged_attention"), "SEQ_SEARCH", search)
+    q_lens = torch.randint(0, 6, (37,)).tolist()
+    q_lens[0], q_lens[-1] = 3, 1
+    ctx_lens = torch.randint(0, 40, (37,)).tolist()
+    batch = make_batch(q_lens, ctx_lens, 4, 2, 16)
+    assert_close(run_kernel(batch), attention_f64(**batch), torch.float32)
+
+
 @pytest.mark.parametrize("tokens_per_block", [8, 16, 32])
 def test_chunked_prefill_equals_one_shot_prefill(tokens_per_block):
     # the same prompt attended in one pass and in chunks whose earlier K/V sit cached in pages

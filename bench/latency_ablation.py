@@ -1,23 +1,27 @@
-"""Small-batch launch costs side by side: PDL and the merge in the last split, on and off.
+"""Small-batch latency fixes, ablated cumulatively in one process: PDL, merge in the last split,
+one-load sequence search.
 
-    PYTHONPATH=. python bench/launch_overheads.py --out DIR [--commit HASH]
+    PYTHONPATH=. python bench/latency_ablation.py --out DIR [--commit HASH]
 
-Small batches are latency bound: two dependent kernels (split, merge) and their launch gap cost
-as much as the bytes. Two remedies, each behind a switch read at launch:
+Small batches are latency bound: dependent kernels (split, merge), their launch gap, and chains
+of dependent loads in each program cost as much as the bytes. Three remedies, each behind a
+switch read at launch, are added one at a time:
 - `kernels.pdl.ENABLED`: programmatic dependent launch (a kernel's programs start while the one
   before it finishes, and wait for its writes);
 - `kernels.paged_attention.FUSED_MERGE_MAX_SPLITS`: the paged kernel's last split of each
   (tile, head) merges the partials itself when its rule holds (verify blocks split at most that
-  many ways); 0 turns it off, so a merge kernel always runs (the behaviour before it).
-Every variant runs here on the same inputs, in one process, under CUDA graphs, with pab's timer
-(bench/paged_attention.py: Qwen3-8B geometry) and cab's (bench/context_attention.py: D 128, Q 16,
-group 4), next to SDPA over the same K/V gathered dense.
+  many ways); 0 turns it off, so a merge kernel always runs;
+- `kernels.paged_attention.SEQ_SEARCH`: each program finds its sequence with one load of 64
+  query_start_loc entries (1: the binary search, log2(B) dependent loads).
+Every variant runs on the same inputs, under CUDA graphs, with pab's timer (bench/paged_attention.py:
+Qwen3-8B geometry) and cab's (bench/context_attention.py: D 128, Q 16, group 4), next to SDPA over
+the same K/V gathered dense.
 
 Two ways to time a call: back to back (the graph holds only attention calls, as the kernel
 benches do; with PDL each call may overlap the previous call's tail), and "after another
 kernel" (each call follows a small elementwise kernel that rewrites q, as the projection before
 attention does; that kernel's own time, measured alone in the same way, is subtracted). The
-second is what a model sees. Writes DIR/launch_overheads.{json,md}.
+second is what a model sees. Writes DIR/latency_ablation.{json,md}.
 """
 
 from __future__ import annotations
@@ -40,25 +44,32 @@ import kernels
 from kernels import pdl, split_kv
 from kernels.paged_attention import _launch_paged_attention, choose_tiles
 
-log = logging.getLogger("bench.launch_overheads")
+log = logging.getLogger("bench.latency_ablation")
 paged_module = importlib.import_module("kernels.paged_attention")
-FUSED_DEFAULT = paged_module.FUSED_MERGE_MAX_SPLITS
-
-PAGED_VARIANTS = {  # name -> (PDL, FUSED_MERGE_MAX_SPLITS)
-    "merge kernel": (False, 0), "merge kernel + PDL": (True, 0),
-    "default rule": (False, FUSED_DEFAULT), "default rule + PDL": (True, FUSED_DEFAULT),
+DEFAULTS = {"pdl": pdl.ENABLED, "fused": paged_module.FUSED_MERGE_MAX_SPLITS,
+            "search": paged_module.SEQ_SEARCH}
+BEFORE = {"pdl": False, "fused": 0, "search": 1}
+PAGED_VARIANTS = {  # cumulative: each adds one switch to the one before
+    "before": BEFORE,
+    "+ PDL": dict(BEFORE, pdl=DEFAULTS["pdl"]),
+    "+ merge in last split": dict(BEFORE, pdl=DEFAULTS["pdl"], fused=DEFAULTS["fused"]),
+    "+ one-load search (now)": DEFAULTS,
 }
-CONTEXT_VARIANTS = {"no PDL": False, "PDL": True}
+CONTEXT_VARIANTS = {"no PDL": dict(DEFAULTS, pdl=False), "PDL (now)": DEFAULTS}
 
 
-def with_switches(use_pdl: bool, fused_max_splits: int, measure):
-    pdl.ENABLED = use_pdl
-    paged_module.FUSED_MERGE_MAX_SPLITS = fused_max_splits
+def set_switches(switches: dict) -> None:
+    pdl.ENABLED = switches["pdl"]
+    paged_module.FUSED_MERGE_MAX_SPLITS = switches["fused"]
+    paged_module.SEQ_SEARCH = switches["search"]
+
+
+def with_switches(switches: dict, measure):
+    set_switches(switches)
     try:
         return measure()
     finally:
-        pdl.ENABLED = True
-        paged_module.FUSED_MERGE_MAX_SPLITS = FUSED_DEFAULT
+        set_switches(DEFAULTS)
 
 
 def both_timings(calls, touch_inputs) -> dict:
@@ -75,14 +86,17 @@ def both_timings(calls, touch_inputs) -> dict:
 def paged_rows(device) -> list[dict]:
     geo = pab.FULL
     rows = []
-    pools = {name: pab.Pool(geo, 16 * 32768 + 64 * geo["tpb"], dtype, device)
-             for name, dtype in pab.DTYPES.items()}
-    for dtype_name, pool in pools.items():
+    for dtype_name, dtype in pab.DTYPES.items():
+        pool = pab.Pool(geo, 128 * 8192 + 64 * geo["tpb"], dtype, device)
         for q_len in (1, 8):
-            for batch in (1, 2, 4, 8, 16):
+            for batch in (1, 2, 4, 8, 16, 32, 128):
                 for ctx in (2048, 8192, 32768):
+                    if batch * ctx > 128 * 8192:
+                        continue
                     rows.append(paged_case(geo, pool, dtype_name, batch, ctx, q_len, device))
                     log.info("%s", rows[-1])
+        del pool
+        torch.cuda.empty_cache()
     return rows
 
 
@@ -111,8 +125,8 @@ def paged_case(geo, pool, dtype_name, batch, ctx, q_len, device) -> dict:
            "kv_bytes": kv_bytes,
            "items": max(batch, triton.cdiv(batch * q_len, tiles.block_q)) * geo["kv_heads"]}
     row["splits"] = split_kv.plan_max_splits(row["items"], device)
-    for name, (use_pdl, fused_max_splits) in PAGED_VARIANTS.items():
-        row[name] = with_switches(use_pdl, fused_max_splits, lambda: both_timings(calls, touch))
+    for name, switches in PAGED_VARIANTS.items():
+        row[name] = with_switches(switches, lambda: both_timings(calls, touch))
     if dtype_name == "bf16":
         dense = [pool.dense(t, ctx) for t in tables]
         qd = [q.view(batch, q_len, heads, head_dim).transpose(1, 2) for q in qs]
@@ -126,7 +140,7 @@ def context_rows(device, gen) -> list[dict]:
     rows = []
     for dtype_name in ("bf16", "fp8"):
         for nkv in (4, 8):
-            for batch in (1, 2, 4, 8, 64):
+            for batch in (1, 4, 64):
                 for ctx in (2048, 8192, 32768):
                     if batch == 64 and ctx != 8192:
                         continue
@@ -144,8 +158,8 @@ def context_case(device, gen, dtype_name, nkv, batch, ctx) -> dict:
     touch = lambda i: functools.partial(torch.mul, sets[i]["q"], 1.0, out=sets[i]["q"])
     row = {"kernel": "context", "dtype": dtype_name, "nkv": nkv, "batch": batch, "ctx": ctx,
            "kv_bytes": kv_bytes, "splits": split_kv.plan_max_splits(batch * nkv, device)}
-    for name, use_pdl in CONTEXT_VARIANTS.items():
-        row[name] = with_switches(use_pdl, FUSED_DEFAULT, lambda: both_timings(calls, touch))
+    for name, switches in CONTEXT_VARIANTS.items():
+        row[name] = with_switches(switches, lambda: both_timings(calls, touch))
     return row
 
 
@@ -201,7 +215,7 @@ def _cell(timing: dict | None) -> str:
 
 
 def markdown(result) -> str:
-    lines = [f"# Launch costs at small batches: PDL and the merge in the last split ({result['device']})", "",
+    lines = [f"# Small-batch latency fixes, ablated cumulatively ({result['device']})", "",
              f"commit `{result['commit']}`, {result['date']}, torch {result['torch']}, "
              f"triton {result['triton']}, PDL available: {result['pdl_available']}. "
              f"Command: `{result['command']}`.", "",
@@ -210,12 +224,12 @@ def markdown(result) -> str:
              "## Paged attention (Qwen3-8B geometry: 32 heads, 8 KV heads, D 128)", ""]
     names = [*PAGED_VARIANTS, "sdpa"]
     lines += ["| dtype | q_len | B | ctx | splits | " + " | ".join(names)
-              + " | SDPA / default + PDL (after kernel) |",
+              + " | SDPA / now (after kernel) |",
               "|" + "---|" * (6 + len(names))]
     for r in result["paged"]:
         ratio = "-"
         if r.get("sdpa"):
-            ratio = f"{r['sdpa']['after_kernel_us'] / r['default rule + PDL']['after_kernel_us']:.2f}x"
+            ratio = f"{r['sdpa']['after_kernel_us'] / r['+ one-load search (now)']['after_kernel_us']:.2f}x"
         lines.append(f"| {r['dtype']} | {r['q_len']} | {r['batch']} | {r['ctx']} | {r['splits']} | "
                      + " | ".join(_cell(r.get(n)) for n in names) + f" | {ratio} |")
     lines += ["", "## Context attention (D 128, Q 16, group 4)", "",
@@ -245,13 +259,13 @@ def main() -> None:
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "torch": torch.__version__, "triton": triton.__version__,
               "pdl_available": pdl.use_pdl(device),
-              "command": f"PYTHONPATH=. python bench/launch_overheads.py --out DIR --commit {args.commit}"}
+              "command": f"PYTHONPATH=. python bench/latency_ablation.py --out DIR --commit {args.commit}"}
     result["breakdowns"] = breakdowns(device, torch.Generator().manual_seed(1))
     result["paged"] = paged_rows(device) if args.only != "context" else []
     result["context"] = context_rows(device, torch.Generator().manual_seed(0)) if args.only != "paged" else []
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "launch_overheads.json").write_text(json.dumps(result, indent=2) + "\n")
-    (args.out / "launch_overheads.md").write_text(markdown(result))
+    (args.out / "latency_ablation.json").write_text(json.dumps(result, indent=2) + "\n")
+    (args.out / "latency_ablation.md").write_text(markdown(result))
 
 
 if __name__ == "__main__":
