@@ -223,15 +223,20 @@ def markdown(result) -> str:
              "graphs, inputs rotated past L2, same inputs and process for every column.", "",
              "## Paged attention (Qwen3-8B geometry: 32 heads, 8 KV heads, D 128)", ""]
     names = [*PAGED_VARIANTS, "sdpa"]
+    copy_bw = result["ceilings"]["copy_bytes_per_s"]
+    lines.insert(4, f"Copy ceiling measured in this run: {copy_bw / 1e12:.2f} TB/s (pab.ceilings).")
+    lines.insert(5, "")
     lines += ["| dtype | q_len | B | ctx | splits | " + " | ".join(names)
-              + " | SDPA / now (after kernel) |",
-              "|" + "---|" * (6 + len(names))]
+              + " | SDPA / now (after kernel) | now, % of copy BW |",
+              "|" + "---|" * (7 + len(names))]
     for r in result["paged"]:
         ratio = "-"
         if r.get("sdpa"):
             ratio = f"{r['sdpa']['after_kernel_us'] / r['+ one-load search (now)']['after_kernel_us']:.2f}x"
+        now_s = r["+ one-load search (now)"]["back_to_back_us"] * 1e-6
         lines.append(f"| {r['dtype']} | {r['q_len']} | {r['batch']} | {r['ctx']} | {r['splits']} | "
-                     + " | ".join(_cell(r.get(n)) for n in names) + f" | {ratio} |")
+                     + " | ".join(_cell(r.get(n)) for n in names)
+                     + f" | {ratio} | {100 * r['kv_bytes'] / now_s / copy_bw:.0f}% |")
     lines += ["", "## Context attention (D 128, Q 16, group 4)", "",
               "| dtype | NKV | B | ctx | splits | " + " | ".join(CONTEXT_VARIANTS) + " |",
               "|" + "---|" * (5 + len(CONTEXT_VARIANTS))]
@@ -260,12 +265,17 @@ def main() -> None:
               "torch": torch.__version__, "triton": triton.__version__,
               "pdl_available": pdl.use_pdl(device),
               "command": f"PYTHONPATH=. python bench/latency_ablation.py --out DIR --commit {args.commit}"}
-    result["breakdowns"] = breakdowns(device, torch.Generator().manual_seed(1))
-    result["paged"] = paged_rows(device) if args.only != "context" else []
-    result["context"] = context_rows(device, torch.Generator().manual_seed(0)) if args.only != "paged" else []
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "latency_ablation.json").write_text(json.dumps(result, indent=2) + "\n")
-    (args.out / "latency_ablation.md").write_text(markdown(result))
+    result.update(ceilings=pab.ceilings(device, smoke=False), breakdowns=[], paged=[], context=[])
+    stages = [("breakdowns", lambda: breakdowns(device, torch.Generator().manual_seed(1)))]
+    if args.only != "context":
+        stages.append(("paged", lambda: paged_rows(device)))
+    if args.only != "paged":
+        stages.append(("context", lambda: context_rows(device, torch.Generator().manual_seed(0))))
+    for name, stage in stages:  # write after each stage: a run cut short keeps what it measured
+        result[name] = stage()
+        (args.out / "latency_ablation.json").write_text(json.dumps(result, indent=2) + "\n")
+        (args.out / "latency_ablation.md").write_text(markdown(result))
 
 
 if __name__ == "__main__":
