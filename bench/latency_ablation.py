@@ -11,8 +11,9 @@ switch read at launch, are added one at a time:
 - `kernels.paged_attention.FUSED_MERGE_MAX_SPLITS`: the paged kernel's last split of each
   (tile, head) merges the partials itself when its rule holds (verify blocks split at most that
   many ways); 0 turns it off, so a merge kernel always runs;
-- `kernels.paged_attention.SEQ_SEARCH`: each program finds its sequence with one load of 64
-  query_start_loc entries (1: the binary search, log2(B) dependent loads).
+- `kernels.paged_attention.SEQ_SEARCH`: each program of a verify or prefill batch finds its
+  sequence with one load of 64 query_start_loc entries (1: the binary search, log2(B) dependent
+  loads; pure decode batches always bisect, the rule set after the first run of this bench).
 Every variant runs on the same inputs, under CUDA graphs, with pab's timer (bench/paged_attention.py:
 Qwen3-8B geometry) and cab's (bench/context_attention.py: D 128, Q 16, group 4), next to SDPA over
 the same K/V gathered dense.

@@ -34,8 +34,10 @@ MAX_KEY_TILE_BYTES = 32 << 10
 # on an H200 (bench/results/latency_ablation.md). Decode, whose merge kernel is small, and deeper
 # splits, whose merge steps run one after another in that one program, keep the merge kernel.
 FUSED_MERGE_MAX_SPLITS = 4
-# query_start_loc entries one program loads at once to find its sequence: one round trip for
-# B < 64 where a binary search waits log2(B) dependent loads (1 selects the binary search).
+# query_start_loc entries one program loads at once to find its sequence in verify and prefill
+# batches: one round trip for B < 64 where a binary search waits log2(B) dependent loads. Measured
+# on an H200 (bench/results/latency_ablation.md): bf16 verify 1-4% faster; pure decode batches
+# were up to 5% slower with it (fp8, B >= 32), so they keep the binary search. 1 turns it off.
 SEQ_SEARCH = 64
 # fp32 elements of partial state one fused-merge step holds per thread (register budget).
 FUSED_MERGE_ELEMENTS_PER_THREAD = 64
@@ -240,7 +242,7 @@ def _launch_paged_attention(q, k_cache, v_cache, block_table, seq_lens, query_st
         D_PAD=d_pad, BLOCK_Q=tiles.block_q, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
         TOKENS_PER_BLOCK=k_cache.shape[1], SCALES_ON_DEVICE=on_device, SPLIT=split,
         FUSED_MERGE=fused, MERGE_CHUNK=merge_chunk, DOT_DTYPE=dot_dtype, USE_PDL=use_pdl,
-        SEQ_SEARCH=SEQ_SEARCH,
+        SEQ_SEARCH=SEQ_SEARCH if num_tokens > batch else 1,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, launch_pdl=use_pdl,
     )
     if split and not fused:
