@@ -56,7 +56,7 @@ class LaunchConfig:
 
 
 def default_config(rows_pad: int, cache_dtype: torch.dtype, device: torch.device) -> LaunchConfig:
-    """Measured on an H200 (bench/results/context_attention.md, tile sweep)."""
+    """Measured on an H200 (bench/results/context_attention_run3.md, tile sweep)."""
     if device.type != "cuda":  # the interpreter: small tiles run faster in numpy
         return LaunchConfig(block_n=32, num_warps=4, num_stages=1, merge_chunk=4)
     if rows_pad >= 128:  # a 128 x D fp32 accumulator wants 8 warps' registers
