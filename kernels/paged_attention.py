@@ -39,10 +39,6 @@ FUSED_MERGE_MAX_SPLITS = 4
 # on an H200 (bench/results/latency_ablation.md): bf16 verify 1-4% faster; pure decode batches
 # were up to 5% slower with it (fp8, B >= 32), so they keep the binary search. 1 turns it off.
 SEQ_SEARCH = 64
-# Tiles of at most this many query rows (decode: one position x the group, padded to 16) compute
-# the transposed products S^T = K Q^T and acc^T += V^T P^T (see the kernel's _attend_key_tile), so
-# the MMA's M side is the key tile rather than mostly padded query rows. 0 turns it off.
-SWAP_AB_MAX_ROWS = 16
 # fp32 elements of partial state one fused-merge step holds per thread (register budget).
 FUSED_MERGE_ELEMENTS_PER_THREAD = 64
 
@@ -246,7 +242,7 @@ def _launch_paged_attention(q, k_cache, v_cache, block_table, seq_lens, query_st
         D_PAD=d_pad, BLOCK_Q=tiles.block_q, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
         TOKENS_PER_BLOCK=k_cache.shape[1], SCALES_ON_DEVICE=on_device, SPLIT=split,
         FUSED_MERGE=fused, MERGE_CHUNK=merge_chunk, DOT_DTYPE=dot_dtype, USE_PDL=use_pdl,
-        SEQ_SEARCH=SEQ_SEARCH if num_tokens > batch else 1, SWAP_AB=tiles.block_m <= SWAP_AB_MAX_ROWS,
+        SEQ_SEARCH=SEQ_SEARCH if num_tokens > batch else 1,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, launch_pdl=use_pdl,
     )
     if split and not fused:

@@ -63,16 +63,11 @@ def _attend_key_tile(
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,  #
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr,  #
     TOKENS_PER_BLOCK: tl.constexpr, MASKED: tl.constexpr, DOT_DTYPE: tl.constexpr,
-    SWAP_AB: tl.constexpr,
 ):
     """One online-softmax step over keys start..start+BLOCK_N-1 (base 2, fp32 state).
 
-    m_i / l_i [BLOCK_M]. Normally acc [BLOCK_M, D_PAD] and q [BLOCK_M, D_PAD] in DOT_DTYPE: scores
-    S = Q K^T, then acc += P V. SWAP_AB computes the same in transposed form, acc [D_PAD, BLOCK_M]
-    and q [D_PAD, BLOCK_M]: S^T = K Q^T, acc^T += V^T P^T, so the key tile is the MMA's M side
-    (BLOCK_N rows) instead of a few padded query rows, and K, V are the operands a register
-    conversion (fp8 -> 16 bit) can feed directly. MASKED applies causality (key <= q_pos) and the
-    range end; unmasked tiles lie wholly below every row.
+    acc [BLOCK_M, D_PAD], m_i / l_i [BLOCK_M]; q [BLOCK_M, D_PAD] in DOT_DTYPE. MASKED applies
+    causality (key <= q_pos) and the range end; unmasked tiles lie wholly below every row.
     """
     n = start + tl.arange(0, BLOCK_N)
     d = tl.arange(0, D_PAD)
@@ -86,43 +81,25 @@ def _attend_key_tile(
     in_page = (n % TOKENS_PER_BLOCK).to(tl.int64)
     k_rows = page * stride_kb + in_page * stride_kt + kv_head * stride_kh  # [BLOCK_N]
     v_rows = page * stride_vb + in_page * stride_vt + kv_head * stride_vh
-    checked = MASKED or D_PAD != HEAD_DIM
-    if SWAP_AB:  # K [BLOCK_N, D_PAD], V^T [D_PAD, BLOCK_N]
-        if checked:
-            k = tl.load(K + k_rows[:, None] + d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-            v = tl.load(V + v_rows[None, :] + d[:, None], mask=n_ok[None, :] & d_ok[:, None], other=0.0)
-        else:
-            k = tl.load(K + k_rows[:, None] + d[None, :])
-            v = tl.load(V + v_rows[None, :] + d[:, None])
-        s = tl.dot(k.to(DOT_DTYPE), q) * qk_scale  # [BLOCK_N, BLOCK_M] scores in log2 units
-        visible = (n[:, None] <= q_pos[None, :]) & n_ok[:, None]
-        key_axis: tl.constexpr = 0
-    else:  # K^T [D_PAD, BLOCK_N], V [BLOCK_N, D_PAD]
-        if checked:
-            k = tl.load(K + k_rows[None, :] + d[:, None], mask=n_ok[None, :] & d_ok[:, None], other=0.0)
-            v = tl.load(V + v_rows[:, None] + d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-        else:
-            k = tl.load(K + k_rows[None, :] + d[:, None])
-            v = tl.load(V + v_rows[:, None] + d[None, :])
-        s = tl.dot(q, k.to(DOT_DTYPE)) * qk_scale  # [BLOCK_M, BLOCK_N] scores in log2 units
-        visible = (n[None, :] <= q_pos[:, None]) & n_ok[None, :]
-        key_axis: tl.constexpr = 1
+    if MASKED or D_PAD != HEAD_DIM:
+        k = tl.load(K + k_rows[None, :] + d[:, None], mask=n_ok[None, :] & d_ok[:, None], other=0.0)
+        v = tl.load(V + v_rows[:, None] + d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+    else:
+        k = tl.load(K + k_rows[None, :] + d[:, None])  # K^T tile [D_PAD, BLOCK_N]
+        v = tl.load(V + v_rows[:, None] + d[None, :])  # [BLOCK_N, D_PAD]
+    s = tl.dot(q, k.to(DOT_DTYPE)) * qk_scale  # [BLOCK_M, BLOCK_N] scores in log2 units
     if MASKED:
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, key_axis))
+        s = tl.where((n[None, :] <= q_pos[:, None]) & n_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
         # A row may see no key of a diagonal tile yet (or of this split): keep 2**(-inf - -inf) out.
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
     else:
-        m_new = tl.maximum(m_i, tl.max(s, key_axis))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
         m_ref = m_new
+    p = tl.exp2(s - m_ref[:, None])
     alpha = tl.exp2(m_i - m_ref)
-    if SWAP_AB:
-        p = tl.exp2(s - m_ref[None, :])
-        acc = acc * alpha[None, :] + tl.dot(v.to(DOT_DTYPE), p.to(DOT_DTYPE))
-    else:
-        p = tl.exp2(s - m_ref[:, None])
-        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE))
-    l_i = l_i * alpha + tl.sum(p, key_axis)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE))
     return acc, m_new, l_i
 
 
@@ -141,7 +118,7 @@ def _paged_attention_kernel(
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,  #
     TOKENS_PER_BLOCK: tl.constexpr, SCALES_ON_DEVICE: tl.constexpr, SPLIT: tl.constexpr,  #
     FUSED_MERGE: tl.constexpr, MERGE_CHUNK: tl.constexpr, DOT_DTYPE: tl.constexpr,
-    USE_PDL: tl.constexpr, SEQ_SEARCH: tl.constexpr, SWAP_AB: tl.constexpr,
+    USE_PDL: tl.constexpr, SEQ_SEARCH: tl.constexpr,
 ):
     # Last tiles first: a causal chunk's later tiles see more keys, so they should not be the tail.
     tile_id = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -187,11 +164,7 @@ def _paged_attention_kernel(
         k_scale = tl.load(KScale).to(tl.float32)
         v_scale = tl.load(VScale).to(tl.float32)
     qk_scale = sm_scale * k_scale * 1.4426950408889634  # fp8 dequant folded in; log2(e) for exp2
-    if SWAP_AB:  # transposed state and operand (see _attend_key_tile)
-        acc = tl.zeros([D_PAD, BLOCK_M], dtype=tl.float32)
-        q = tl.trans(q)
-    else:
-        acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     block_row = BlockTable + seq.to(tl.int64) * stride_bt
@@ -203,16 +176,14 @@ def _paged_attention_kernel(
         acc, m_i, l_i = _attend_key_tile(
             acc, m_i, l_i, q, K, V, block_row, start, hi, q_pos, kv_head, qk_scale,
             stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-            HEAD_DIM, D_PAD, BLOCK_N, TOKENS_PER_BLOCK, False, DOT_DTYPE, SWAP_AB)
+            HEAD_DIM, D_PAD, BLOCK_N, TOKENS_PER_BLOCK, False, DOT_DTYPE)
     for start in range(full_end, hi, BLOCK_N):
         acc, m_i, l_i = _attend_key_tile(
             acc, m_i, l_i, q, K, V, block_row, start, hi, q_pos, kv_head, qk_scale,
             stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-            HEAD_DIM, D_PAD, BLOCK_N, TOKENS_PER_BLOCK, True, DOT_DTYPE, SWAP_AB)
+            HEAD_DIM, D_PAD, BLOCK_N, TOKENS_PER_BLOCK, True, DOT_DTYPE)
 
     pdl.allow_next_grid(USE_PDL)  # the keys are read: the merge may be scheduled
-    if SWAP_AB:
-        acc = tl.trans(acc)
     out, lse = finalize_state(acc, m_i, l_i)
     out = out * v_scale  # V's fp8 dequant is uniform over keys: apply it once, after the sum
     if SPLIT:

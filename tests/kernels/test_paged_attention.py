@@ -110,16 +110,6 @@ def test_every_query_count_from_1_to_16():
     assert_close(run_kernel(batch), attention_f64(**batch), torch.float16)
 
 
-@pytest.mark.parametrize("swap_rows", [0, 128])
-def test_transposed_products_agree_for_every_tile_kind(swap_rows, monkeypatch):
-    # 0: no tile swaps its products; 128: every tile does (prefill diagonals, verify, decode, splits)
-    monkeypatch.setattr(importlib.import_module("kernels.paged_attention"), "SWAP_AB_MAX_ROWS", swap_rows)
-    batch = make_batch([23, 16, 1, 1, 5], [18, 37, 50, 0, 0], 4, 2, 32, dtype=torch.float16)
-    assert_close(run_kernel(batch), attention_f64(**batch), torch.float16)
-    batch = make_batch([1, 8], [300, 130], 8, 2, 32)
-    assert_close(run_kernel(batch, num_splits=3), attention_f64(**batch), torch.float32)
-
-
 @pytest.mark.parametrize("search", [1, 16, 64])
 def test_every_program_finds_its_sequence_however_it_searches(search, monkeypatch):
     # 37 sequences of mixed query counts (empty ones too): several 16-wide search steps, or bisection
