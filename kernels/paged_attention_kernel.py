@@ -118,7 +118,7 @@ def _paged_attention_kernel(
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,  #
     TOKENS_PER_BLOCK: tl.constexpr, SCALES_ON_DEVICE: tl.constexpr, SPLIT: tl.constexpr,  #
     FUSED_MERGE: tl.constexpr, MERGE_CHUNK: tl.constexpr, DOT_DTYPE: tl.constexpr,
-    USE_PDL: tl.constexpr, SEQ_SEARCH: tl.constexpr,
+    USE_PDL: tl.constexpr, SEQ_SEARCH: tl.constexpr, NARROW_Q: tl.constexpr,
 ):
     # Last tiles first: a causal chunk's later tiles see more keys, so they should not be the tail.
     tile_id = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -158,12 +158,19 @@ def _paged_attention_kernel(
     d_ok = d < HEAD_DIM
     io_mask = row_ok[:, None] & d_ok[None, :]
     q = tl.load(Q + token[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
-                mask=io_mask, other=0.0).to(DOT_DTYPE)
+                mask=io_mask, other=0.0).to(tl.float32)
+    if NARROW_Q:  # q's dtype outranges DOT_DTYPE (bf16 -> fp16): shift the tile's largest |q| into range
+        q_amax = tl.max(tl.max(tl.abs(q), 1), 0)
+        q_shift = tl.maximum(tl.ceil(tl.log2(tl.maximum(q_amax, 1.0) / 32768.0)), 0.0)
+        q = q * tl.exp2(-q_shift)  # a power of two: exact
+    q = q.to(DOT_DTYPE)
 
     if SCALES_ON_DEVICE:
         k_scale = tl.load(KScale).to(tl.float32)
         v_scale = tl.load(VScale).to(tl.float32)
     qk_scale = sm_scale * k_scale * 1.4426950408889634  # fp8 dequant folded in; log2(e) for exp2
+    if NARROW_Q:
+        qk_scale = qk_scale * tl.exp2(q_shift)
     acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)

@@ -285,6 +285,20 @@ def test_gpu_verify_graph_merging_in_the_last_split_replays_at_new_lengths():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("q_scale", [1.0, 3e5])
+def test_gpu_fp8_cache_with_queries_beyond_fp16_range(q_scale):
+    # the fp8 path's fp16 MMAs: q (bf16) is shifted into fp16's range, so even |q| ~ 1e6 stays finite
+    batch = make_batch([1, 8, 40], [3000, 700, 90], 32, 8, 128, dtype=torch.bfloat16, device="cuda")
+    batch["q"] = (batch["q"].float() * q_scale / batch["q"].float().abs().amax()).bfloat16()
+    batch["q"][0, 0, 0] = q_scale  # one huge element, the rest spread below it
+    batch["k_cache"] = (batch["k_cache"].float() / 4).to(torch.float8_e4m3fn)
+    batch["v_cache"] = (batch["v_cache"].float() / 4).to(torch.float8_e4m3fn)
+    expected = attention_f64(**batch, scale=1e-5 if q_scale > 1 else None, k_scale=4.0, v_scale=4.0)
+    out = run_kernel(batch, scale=1e-5 if q_scale > 1 else None, k_scale=4.0, v_scale=4.0)
+    assert_close(out, expected, torch.bfloat16)
+
+
+@pytest.mark.gpu
 def test_gpu_graph_replay_follows_new_lengths():
     # captured once at short lengths, replayed after the lengths (on the device) grow
     batch = make_batch([16, 16], [6000, 100], 32, 8, 128, dtype=torch.bfloat16, device="cuda")
