@@ -1,6 +1,6 @@
 """fp8 cache, MMA operand dtype side by side: K/V widened to bf16 (q's dtype) or to fp16.
 
-    PYTHONPATH=. python bench/fp8_operands.py --out DIR [--commit HASH]
+    PYTHONPATH=. python bench/fp8_operands.py --out DIR [--commit HASH] [--part paged|context|both]
 
 An fp8 (e4m3) cache read by the paged kernel is widened for the tensor-core dots. Widening to q's
 bf16 measured as slow as reading a bf16 cache (bench/results/paged_attention_notes.md); fp16 holds
@@ -21,10 +21,12 @@ import logging
 import os
 from pathlib import Path
 
-import paged_attention as pab  # bench/ is sys.path[0]
+import context_attention as cab  # bench/ is sys.path[0]
+import paged_attention as pab
 import torch
 import triton
 
+from kernels import context_attention as ca
 from kernels.paged_attention import choose_tiles
 
 log = logging.getLogger("bench.fp8_operands")
@@ -50,6 +52,24 @@ def measure(geo, pool, batch, ctx, q_len, device) -> dict:
     return row
 
 
+CONTEXT_CASES = [(nkv, b, c) for nkv in (4, 8) for b, c in ((1, 8192), (16, 8192), (64, 8192), (256, 2048))]
+
+
+def measure_context(device, gen, nkv, batch, ctx) -> dict:
+    sets, kv_bytes = cab.make_sets(batch, ctx, nkv, "fp8", device, gen)
+    row = {"nkv": nkv, "batch": batch, "ctx": ctx, "kv_bytes": kv_bytes}
+    default = ca.FP8_COMPUTE_DTYPE
+    for name, dot in VARIANTS.items():
+        ca.FP8_COMPUTE_DTYPE = dot
+        try:
+            row[name] = cab.time_ours(sets, "fp8")
+        finally:
+            ca.FP8_COMPUTE_DTYPE = default
+    del sets
+    torch.cuda.empty_cache()
+    return row
+
+
 def markdown(result) -> str:
     ceil = result["ceilings"]
     lines = [f"# fp8 cache: bf16 or fp16 MMA operands, side by side ({result['device']})", "",
@@ -64,7 +84,7 @@ def markdown(result) -> str:
              "matmul rate (the prefill row).", "",
              "| q_len | B | ctx | " + " | ".join(VARIANTS) + " | fp16 / bf16 time | fp16 rate |",
              "|" + "---|" * (5 + len(VARIANTS))]
-    for r in result["rows"]:
+    for r in result["rows"]:  # paged
         cells = []
         for name in VARIANTS:
             err = r[name]["rel_err_vs_sdpa"]
@@ -74,6 +94,16 @@ def markdown(result) -> str:
                 else r["bytes"] / fast / ceil["copy_bytes_per_s"])
         lines.append(f"| {r['q_len']} | {r['batch']} | {r['ctx']} | " + " | ".join(cells)
                      + f" | {r['fp16 operands']['us'] / r['bf16 operands']['us']:.2f} | {100 * rate:.0f}% |")
+    if result.get("context"):
+        lines += ["", "## Context kernel (fp8 context, D 128, Q 16, group 4), us per call", "",
+                  "| NKV | B | ctx | " + " | ".join(VARIANTS) + " | fp16 / bf16 time | fp16, % of copy |",
+                  "|" + "---|" * (5 + len(VARIANTS))]
+        for r in result["context"]:
+            fast = r["fp16 operands"]
+            pct = 100 * r["kv_bytes"] / (fast * 1e-6) / ceil["copy_bytes_per_s"]
+            lines.append(f"| {r['nkv']} | {r['batch']} | {r['ctx']} | "
+                         + " | ".join(f"{r[name]:.1f}" for name in VARIANTS)
+                         + f" | {fast / r['bf16 operands']:.2f} | {pct:.0f}% |")
     return "\n".join(lines) + "\n"
 
 
@@ -81,6 +111,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     parser.add_argument("--commit", default=os.environ.get("COMMIT", "unknown"))
+    parser.add_argument("--part", choices=("paged", "context", "both"), default="both")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     device = torch.device("cuda")
@@ -88,15 +119,24 @@ def main() -> None:
     result = {"device": torch.cuda.get_device_name(), "commit": args.commit,
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "torch": torch.__version__, "triton": triton.__version__,
-              "command": f"PYTHONPATH=. python bench/fp8_operands.py --out DIR --commit {args.commit}",
-              "ceilings": pab.ceilings(device, smoke=False), "rows": []}
+              "command": f"PYTHONPATH=. python bench/fp8_operands.py --out DIR --commit {args.commit} "
+                         f"--part {args.part}",
+              "ceilings": pab.ceilings(device, smoke=False), "rows": [], "context": []}
     args.out.mkdir(parents=True, exist_ok=True)
-    pool = pab.Pool(geo, 128 * 8192 + 64 * geo["tpb"], torch.float8_e4m3fn, device)
-    for q_len, batch, ctx in CASES:
-        result["rows"].append(measure(geo, pool, batch, ctx, q_len, device))
-        log.info("%s", result["rows"][-1])
-        (args.out / "fp8_operands.json").write_text(json.dumps(result, indent=2) + "\n")
-        (args.out / "fp8_operands.md").write_text(markdown(result))
+    save = lambda: ((args.out / "fp8_operands.json").write_text(json.dumps(result, indent=2) + "\n"),
+                    (args.out / "fp8_operands.md").write_text(markdown(result)))
+    if args.part != "paged":
+        gen = torch.Generator().manual_seed(0)
+        for nkv, batch, ctx in CONTEXT_CASES:
+            result["context"].append(measure_context(device, gen, nkv, batch, ctx))
+            log.info("%s", result["context"][-1])
+            save()
+    if args.part != "context":
+        pool = pab.Pool(geo, 128 * 8192 + 64 * geo["tpb"], torch.float8_e4m3fn, device)
+        for q_len, batch, ctx in CASES:
+            result["rows"].append(measure(geo, pool, batch, ctx, q_len, device))
+            log.info("%s", result["rows"][-1])
+            save()
 
 
 if __name__ == "__main__":

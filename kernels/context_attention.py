@@ -98,7 +98,8 @@ def _context_attention_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, TOKENS_PER_BLOCK: tl.constexpr,
     ROWS: tl.constexpr, NOISE_PAD: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
     K_SCALE_MODE: tl.constexpr, V_SCALE_MODE: tl.constexpr,
-    COMPUTE: tl.constexpr, PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
+    COMPUTE: tl.constexpr, NOISE_COMPUTE: tl.constexpr, NARROW_Q: tl.constexpr, PRECISION: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     kvh = tl.program_id(0)
     b = tl.program_id(1)
@@ -124,7 +125,12 @@ def _context_attention_kernel(
     b64 = b.to(tl.int64)
     q_offs = (b64 * stride_qb + qpos[:, None] * stride_qq + heads[:, None] * stride_qh
               + dims[None, :] * stride_qd)
-    q = tl.load(q_ptr + q_offs, mask=(row_mask & active)[:, None], other=0.0).to(COMPUTE)
+    q = tl.load(q_ptr + q_offs, mask=(row_mask & active)[:, None], other=0.0).to(tl.float32)
+    if NARROW_Q:  # q's dtype outranges COMPUTE (bf16 -> fp16): shift the tile's largest |q| into range
+        q_amax = tl.max(tl.max(tl.abs(q), 1), 0)
+        q_shift = tl.maximum(tl.ceil(tl.log2(tl.maximum(q_amax, 1.0) / 32768.0)), 0.0)
+        q = q * tl.exp2(-q_shift)  # a power of two: exact
+    q = q.to(COMPUTE)
     acc = tl.zeros([ROWS, HEAD_DIM], dtype=tl.float32)
     m_i = tl.full([ROWS], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([ROWS], dtype=tl.float32)
@@ -133,6 +139,8 @@ def _context_attention_kernel(
         ctx_scale = sm_scale_log2 * tl.load(k_scale).to(tl.float32)
     else:
         ctx_scale = sm_scale_log2 * k_scale
+    if NARROW_Q:
+        ctx_scale = ctx_scale * tl.exp2(q_shift)
     if V_SCALE_MODE == 2:
         ctx_v_scale = tl.load(v_scale).to(tl.float32)
     else:
@@ -155,14 +163,18 @@ def _context_attention_kernel(
     pdl.allow_next_grid(USE_PDL)  # the context is read: the merge may be scheduled
     # noise suffix: all Q dense keys, folded once per request and head (by split 0)
     if split == 0:
+        if NARROW_Q:  # the noise keys are q's dtype, unshifted: q again, in that dtype
+            qn = tl.load(q_ptr + q_offs, mask=(row_mask & active)[:, None], other=0.0).to(NOISE_COMPUTE)
+        else:
+            qn = q
         js = tl.arange(0, NOISE_PAD)
         j_mask = js < num_q
         kn = tl.load(k_noise_ptr + b64 * stride_nkb + js[:, None] * stride_nkq + kvh * stride_nkh
                      + dims[None, :] * stride_nkd, mask=j_mask[:, None], other=0.0)
         vn = tl.load(v_noise_ptr + b64 * stride_nvb + js[:, None] * stride_nvq + kvh * stride_nvh
                      + dims[None, :] * stride_nvd, mask=j_mask[:, None], other=0.0)
-        acc, m_i, l_i = _attend_tile(q, kn.to(COMPUTE), vn.to(COMPUTE), j_mask, acc, m_i, l_i,
-                                     sm_scale_log2, 1.0, False, COMPUTE, PRECISION)
+        acc, m_i, l_i = _attend_tile(qn, kn.to(NOISE_COMPUTE), vn.to(NOISE_COMPUTE), j_mask, acc, m_i, l_i,
+                                     sm_scale_log2, 1.0, False, NOISE_COMPUTE, PRECISION)
 
     if SPLIT:
         state, lse = finalize_state(acc, m_i, l_i)
@@ -207,14 +219,31 @@ def _context_merge_kernel(
     tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
 
 
-def _compute_dtype(q: torch.Tensor):
-    """Dot operands: q's 16-bit dtype on a GPU (an fp8 context is widened to it), else exact fp32.
+# An fp8 context is widened to this dtype for the context tiles' MMAs on a GPU: fp16 holds every e4m3
+# value exactly and sm_90 widens a pair in one instruction (bf16 takes several); q is shifted into
+# fp16's range by a power of two. The noise tile keeps q's dtype. None widens to q's dtype.
+FP8_COMPUTE_DTYPE: torch.dtype | None = torch.float16
+# p x v_scale feeds the fp16 MMA, so a Python-float v_scale above this keeps bf16 (a device-tensor
+# v_scale cannot be read on the host: an e4m3 cache's scale, amax / 448, stays far below it).
+FP16_MAX_V_SCALE = 60000.0
+_TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
-    The interpreter has no bf16/fp8 arithmetic, so on CPU every operand is fp32.
+
+def _compute_dtypes(q: torch.Tensor, cache_dtype: torch.dtype, v_scale):
+    """(context operands, noise operands, dot precision, whether q narrows) for one launch.
+
+    On a GPU the dots take q's 16-bit dtype, except that an fp8 context widens to
+    FP8_COMPUTE_DTYPE. The interpreter has no bf16/fp8 arithmetic, so on CPU every operand is fp32.
     """
     if q.device.type != "cuda" or q.dtype == torch.float32:
-        return tl.float32, "ieee"
-    return (tl.bfloat16 if q.dtype == torch.bfloat16 else tl.float16), "tf32"  # tf32: the default
+        return tl.float32, tl.float32, "ieee", False
+    noise = _TL_DTYPES[q.dtype]
+    big_v_scale = isinstance(v_scale, (int, float)) and v_scale > FP16_MAX_V_SCALE
+    if cache_dtype == FP8 and FP8_COMPUTE_DTYPE is not None and not big_v_scale:
+        context = _TL_DTYPES[FP8_COMPUTE_DTYPE]
+        narrows = context == tl.float16 and q.dtype != torch.float16
+        return context, noise, "tf32", narrows
+    return noise, noise, "tf32", False  # tf32: the default precision
 
 
 def _launch_context_attention(q, k_cache, v_cache, block_table, ctx_lens, k_noise, v_noise, out,
@@ -236,7 +265,7 @@ def _launch_context_attention(q, k_cache, v_cache, block_table, ctx_lens, k_nois
         part_acc = part_lse = out  # unused by the single-pass variant
     k_arg, k_mode = scale_argument(k_scale)
     v_arg, v_mode = scale_argument(v_scale)
-    compute, precision = _compute_dtype(q)
+    compute, noise_compute, precision, narrow_q = _compute_dtypes(q, k_cache.dtype, v_scale)
     use_pdl = pdl.use_pdl(q.device)
     _context_attention_kernel[(num_kv_heads, batch, max_splits)](
         q, k_cache, v_cache, block_table, ctx_lens, k_noise, v_noise, out, part_acc, part_lse,
@@ -247,7 +276,8 @@ def _launch_context_attention(q, k_cache, v_cache, block_table, ctx_lens, k_nois
         part_lse.stride(0) if split else 0, part_lse.stride(1) if split else 0,
         GROUP=group, HEAD_DIM=head_dim, TOKENS_PER_BLOCK=tokens_per_block, ROWS=rows_pad,
         NOISE_PAD=noise_pad, BLOCK_N=config.block_n, SPLIT=split, K_SCALE_MODE=k_mode,
-        V_SCALE_MODE=v_mode, COMPUTE=compute, PRECISION=precision, USE_PDL=use_pdl,
+        V_SCALE_MODE=v_mode, COMPUTE=compute, NOISE_COMPUTE=noise_compute, NARROW_Q=narrow_q,
+        PRECISION=precision, USE_PDL=use_pdl,
         num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=use_pdl,
     )
     if split:

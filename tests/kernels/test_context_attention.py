@@ -220,6 +220,17 @@ def test_gpu_realistic_bf16(cache_dtype, num_splits):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("q_scale", [1.0, 2e5])
+def test_gpu_fp8_context_with_queries_beyond_fp16_range(q_scale):
+    # fp8 context tiles run fp16 MMAs: q (bf16) is shifted into fp16's range; the noise keeps bf16
+    case = make_case([900, 37], 16, 4, 4, 128, 32, torch.bfloat16, FP8, seed=11, k_scale=0.5, v_scale=2.0)
+    case["q"] = (case["q"].float() * (q_scale / case["q"].float().abs().amax())).bfloat16()
+    scale = 1e-5 if q_scale > 1 else None
+    got = run_kernel(case, scale=scale, k_scale=0.5, v_scale=2.0)
+    assert_matches(got, oracle(case, scale=scale, k_scale=0.5, v_scale=2.0), torch.bfloat16)
+
+
+@pytest.mark.gpu
 def test_gpu_graph_replays_at_other_lengths():
     case = make_case([3000, 3000, 3000], 16, 4, 4, 128, 32, torch.bfloat16, seed=5)  # full tables
     ctx_lens = case["ctx_lens"]
