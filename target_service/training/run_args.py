@@ -20,7 +20,7 @@ class TrainRunArgs(BaseModel):
     warmup_steps: int = Field(100, ge=0)
     save_every: int = Field(500, ge=1)
     save_dtype: str = Field("bfloat16", pattern="^(bfloat16|float16|float32)$")
-    max_shard_size: str = "8MiB"
+    max_shard_size: str = "4MiB"  # package files stay under 5 MB each
     seed: int = 0
     device: str | None = None
     time_budget: float | None = Field(None, gt=0)
