@@ -5,7 +5,7 @@
 An fp8 (e4m3) cache read by the paged kernel is widened for the tensor-core dots. Widening to q's
 bf16 measured as slow as reading a bf16 cache (bench/results/paged_attention_notes.md); fp16 holds
 every e4m3 value exactly and sm_90 widens a pair of them in one instruction.
-`kernels.paged_attention.FP8_DOT_DTYPE` (read at launch) picks: None = q's dtype, or fp16. Both run
+`kernels.operands.FP8_WIDEN_DTYPE` (read at launch) picks: None = q's dtype, or fp16. Both run
 here on the same inputs, under CUDA graphs, through bench/paged_attention.py's run_case (Qwen3-8B
 geometry, 16-token pages shuffled), which also checks each output against SDPA over the gathered,
 dequantised K/V. Writes DIR/fp8_operands.{json,md}.
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import importlib
+import functools
 import json
 import logging
 import os
@@ -26,13 +26,23 @@ import paged_attention as pab
 import torch
 import triton
 
-from kernels import context_attention as ca
+from kernels import operands
 from kernels.paged_attention import choose_tiles
 
 log = logging.getLogger("bench.fp8_operands")
-paged_module = importlib.import_module("kernels.paged_attention")
-DEFAULT = paged_module.FP8_DOT_DTYPE
+DEFAULT = operands.FP8_WIDEN_DTYPE
 VARIANTS = {"bf16 operands": None, "fp16 operands": torch.float16}
+
+
+def widened_to(dtype, measure):
+    """measure() with fp8 caches widened to `dtype` (None: q's dtype), then the default again."""
+    operands.FP8_WIDEN_DTYPE = dtype
+    try:
+        return measure()
+    finally:
+        operands.FP8_WIDEN_DTYPE = DEFAULT
+
+
 CASES = [(q, b, c) for q in (1, 8, 16) for b in (1, 8, 32, 128) for c in (2048, 8192)] + [(8192, 1, 8192)]
 
 
@@ -41,12 +51,8 @@ def measure(geo, pool, batch, ctx, q_len, device) -> dict:
     tiles = choose_tiles(batch * q_len, batch, group, geo["head_dim"], device, torch.float8_e4m3fn)
     row = {"batch": batch, "ctx": ctx, "q_len": q_len}
     for name, dot in VARIANTS.items():
-        paged_module.FP8_DOT_DTYPE = dot
-        try:
-            rec = pab.run_case(geo, pool, "fp8", batch, ctx, q_len, tiles, device, {},
-                               check=batch * ctx <= (1 << 20), baseline=False)
-        finally:
-            paged_module.FP8_DOT_DTYPE = DEFAULT
+        rec = widened_to(dot, lambda: pab.run_case(geo, pool, "fp8", batch, ctx, q_len, tiles, device, {},
+                                                   check=batch * ctx <= (1 << 20), baseline=False))
         row[name] = {"us": rec["seconds"] * 1e6, "rel_err_vs_sdpa": rec.get("rel_err_vs_sdpa")}
         row["bytes"], row["flops"] = rec["bytes"], rec["flops"]
     return row
@@ -58,13 +64,8 @@ CONTEXT_CASES = [(nkv, b, c) for nkv in (4, 8) for b, c in ((1, 8192), (16, 8192
 def measure_context(device, gen, nkv, batch, ctx) -> dict:
     sets, kv_bytes = cab.make_sets(batch, ctx, nkv, "fp8", device, gen)
     row = {"nkv": nkv, "batch": batch, "ctx": ctx, "kv_bytes": kv_bytes}
-    default = ca.FP8_COMPUTE_DTYPE
     for name, dot in VARIANTS.items():
-        ca.FP8_COMPUTE_DTYPE = dot
-        try:
-            row[name] = cab.time_ours(sets, "fp8")
-        finally:
-            ca.FP8_COMPUTE_DTYPE = default
+        row[name] = widened_to(dot, functools.partial(cab.time_ours, sets, "fp8"))
     del sets
     torch.cuda.empty_cache()
     return row

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import pdl, reference, split_kv
+from kernels import operands, pdl, reference, split_kv
 from kernels.dispatch import resolve_backend
 from kernels.split_kv import finalize_state, merge_partial_chunks, num_splits_for, split_bounds
 from kernels.validation import (
@@ -126,10 +126,8 @@ def _context_attention_kernel(
     q_offs = (b64 * stride_qb + qpos[:, None] * stride_qq + heads[:, None] * stride_qh
               + dims[None, :] * stride_qd)
     q = tl.load(q_ptr + q_offs, mask=(row_mask & active)[:, None], other=0.0).to(tl.float32)
-    if NARROW_Q:  # q's dtype outranges COMPUTE (bf16 -> fp16): shift the tile's largest |q| into range
-        q_amax = tl.max(tl.max(tl.abs(q), 1), 0)
-        q_shift = tl.maximum(tl.ceil(tl.log2(tl.maximum(q_amax, 1.0) / 32768.0)), 0.0)
-        q = q * tl.exp2(-q_shift)  # a power of two: exact
+    if NARROW_Q:  # q's dtype outranges COMPUTE (bf16 -> fp16)
+        q, q_shift = operands.fp16_range_shift(q)
     q = q.to(COMPUTE)
     acc = tl.zeros([ROWS, HEAD_DIM], dtype=tl.float32)
     m_i = tl.full([ROWS], float("-inf"), dtype=tl.float32)
@@ -219,31 +217,24 @@ def _context_merge_kernel(
     tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
 
 
-# An fp8 context is widened to this dtype for the context tiles' MMAs on a GPU: fp16 holds every e4m3
-# value exactly and sm_90 widens a pair in one instruction (bf16 takes several); q is shifted into
-# fp16's range by a power of two. The noise tile keeps q's dtype. None widens to q's dtype.
-FP8_COMPUTE_DTYPE: torch.dtype | None = torch.float16
-# p x v_scale feeds the fp16 MMA, so a Python-float v_scale above this keeps bf16 (a device-tensor
-# v_scale cannot be read on the host: an e4m3 cache's scale, amax / 448, stays far below it).
+# p x v_scale feeds the fp16 MMA over an fp8 context, so a Python-float v_scale above this keeps
+# q's dtype (a device-tensor v_scale cannot be read on the host: an e4m3 cache's scale, amax / 448,
+# stays far below it).
 FP16_MAX_V_SCALE = 60000.0
-_TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 
 def _compute_dtypes(q: torch.Tensor, cache_dtype: torch.dtype, v_scale):
     """(context operands, noise operands, dot precision, whether q narrows) for one launch.
 
-    On a GPU the dots take q's 16-bit dtype, except that an fp8 context widens to
-    FP8_COMPUTE_DTYPE. The interpreter has no bf16/fp8 arithmetic, so on CPU every operand is fp32.
+    `kernels.operands` picks the context tiles' dtype; the noise tile keeps q's. An fp32 q (or the
+    interpreter) computes everything in exact fp32.
     """
     if q.device.type != "cuda" or q.dtype == torch.float32:
         return tl.float32, tl.float32, "ieee", False
-    noise = _TL_DTYPES[q.dtype]
     big_v_scale = isinstance(v_scale, (int, float)) and v_scale > FP16_MAX_V_SCALE
-    if cache_dtype == FP8 and FP8_COMPUTE_DTYPE is not None and not big_v_scale:
-        context = _TL_DTYPES[FP8_COMPUTE_DTYPE]
-        narrows = context == tl.float16 and q.dtype != torch.float16
-        return context, noise, "tf32", narrows
-    return noise, noise, "tf32", False  # tf32: the default precision
+    context = q.dtype if big_v_scale else operands.mma_dtype(q.dtype, cache_dtype, q.device)
+    narrows = operands.narrows_q(context, q.dtype)
+    return operands.TL_DTYPES[context], operands.TL_DTYPES[q.dtype], "tf32", narrows  # tf32: the default
 
 
 def _launch_context_attention(q, k_cache, v_cache, block_table, ctx_lens, k_noise, v_noise, out,

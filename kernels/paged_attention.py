@@ -14,9 +14,8 @@ from typing import NamedTuple
 
 import torch
 import triton
-import triton.language as tl
 
-from kernels import pdl, reference, split_kv
+from kernels import operands, pdl, reference, split_kv
 from kernels.dispatch import resolve_backend
 from kernels.paged_attention_kernel import _paged_attention_kernel, launch_grid
 
@@ -42,20 +41,6 @@ SEQ_SEARCH = 64
 # fp32 elements of partial state one fused-merge step holds per thread (register budget).
 FUSED_MERGE_ELEMENTS_PER_THREAD = 64
 
-_DOT_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
-# The MMA operand dtype an fp8 cache is widened to on a GPU: fp16 holds every e4m3 value exactly and
-# sm_90 widens a pair of them in one instruction (bf16 takes several); q is shifted into fp16's range
-# by a power of two when its dtype is wider. None widens to q's dtype instead.
-FP8_DOT_DTYPE: torch.dtype | None = torch.float16
-
-
-def _dot_dtype(q_dtype: torch.dtype, cache_dtype: torch.dtype, device: torch.device) -> torch.dtype:
-    """Operand dtype of the kernel's MMAs: fp32 off the GPU (the interpreter has no 16-bit math)."""
-    if device.type != "cuda":
-        return torch.float32
-    if cache_dtype == torch.float8_e4m3fn and FP8_DOT_DTYPE is not None:
-        return FP8_DOT_DTYPE
-    return q_dtype
 
 
 class TileConfig(NamedTuple):
@@ -238,7 +223,7 @@ def _launch_paged_attention(q, k_cache, v_cache, block_table, seq_lens, query_st
         part_acc, part_lse, split_lens = q, q, seq_lens  # placeholders, never touched
     counters = split_kv.arrival_counters(grid[0] * grid[1], q.device) if fused else seq_lens
     k_value, v_value, k_tensor, v_tensor, on_device = _scale_args(k_scale, v_scale, q.device)
-    dot_dtype = _dot_dtype(q.dtype, k_cache.dtype, q.device)
+    dot_dtype = operands.mma_dtype(q.dtype, k_cache.dtype, q.device)
     use_pdl = pdl.use_pdl(q.device)
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, out, part_acc, part_lse, split_lens, counters,
@@ -254,9 +239,9 @@ def _launch_paged_attention(q, k_cache, v_cache, block_table, seq_lens, query_st
         NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim,
         D_PAD=d_pad, BLOCK_Q=tiles.block_q, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
         TOKENS_PER_BLOCK=k_cache.shape[1], SCALES_ON_DEVICE=on_device, SPLIT=split,
-        FUSED_MERGE=fused, MERGE_CHUNK=merge_chunk, DOT_DTYPE=_DOT_DTYPES[dot_dtype], USE_PDL=use_pdl,
+        FUSED_MERGE=fused, MERGE_CHUNK=merge_chunk, DOT_DTYPE=operands.TL_DTYPES[dot_dtype], USE_PDL=use_pdl,
         SEQ_SEARCH=SEQ_SEARCH if num_tokens > batch else 1,
-        NARROW_Q=dot_dtype == torch.float16 and q.dtype != torch.float16,
+        NARROW_Q=operands.narrows_q(dot_dtype, q.dtype),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, launch_pdl=use_pdl,
     )
     if split and not fused:

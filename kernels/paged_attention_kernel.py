@@ -25,7 +25,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels import pdl
+from kernels import operands, pdl
 from kernels.split_kv import arrive_last, finalize_state, merge_partial_chunks, num_splits_for, split_bounds
 
 
@@ -159,10 +159,8 @@ def _paged_attention_kernel(
     io_mask = row_ok[:, None] & d_ok[None, :]
     q = tl.load(Q + token[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
                 mask=io_mask, other=0.0).to(tl.float32)
-    if NARROW_Q:  # q's dtype outranges DOT_DTYPE (bf16 -> fp16): shift the tile's largest |q| into range
-        q_amax = tl.max(tl.max(tl.abs(q), 1), 0)
-        q_shift = tl.maximum(tl.ceil(tl.log2(tl.maximum(q_amax, 1.0) / 32768.0)), 0.0)
-        q = q * tl.exp2(-q_shift)  # a power of two: exact
+    if NARROW_Q:  # q's dtype outranges DOT_DTYPE (bf16 -> fp16)
+        q, q_shift = operands.fp16_range_shift(q)
     q = q.to(DOT_DTYPE)
 
     if SCALES_ON_DEVICE:

@@ -1,0 +1,48 @@
+"""kernels.operands: the MMA dtype rule and the power-of-two shift that narrows q to fp16's range."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from kernels import operands
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+FP8 = torch.float8_e4m3fn
+
+
+@triton.jit
+def _shift_probe(q_ptr, out_ptr, shift_ptr, ROWS: tl.constexpr, COLS: tl.constexpr):
+    offs = tl.arange(0, ROWS)[:, None] * COLS + tl.arange(0, COLS)[None, :]
+    q, shift = operands.fp16_range_shift(tl.load(q_ptr + offs))
+    tl.store(out_ptr + offs, q)
+    tl.store(shift_ptr, shift)
+
+
+@pytest.mark.parametrize("amax", [0.5, 1e3, 32768.0, 40000.0, 3e5, 1e9])
+def test_shift_brings_the_largest_value_into_range_by_a_power_of_two(amax):
+    q = torch.randn(16, 32, device=DEVICE)
+    q = q / q.abs().max() * amax
+    out, shift = torch.empty_like(q), torch.empty(1, device=DEVICE)
+    _shift_probe[(1,)](q, out, shift, ROWS=16, COLS=32)
+    expected = max(0, math.ceil(math.log2(max(amax, 1.0) / 32768.0)))
+    assert shift.item() == expected
+    torch.testing.assert_close(out, q * 2.0**-expected, rtol=0, atol=0)  # exact: a power of two
+    assert out.abs().max().item() <= 32768.0
+    assert torch.isfinite(out.half()).all()
+
+
+def test_mma_dtype_rule(monkeypatch):
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert operands.mma_dtype(torch.bfloat16, FP8, cpu) == torch.float32  # the interpreter
+    assert operands.mma_dtype(torch.bfloat16, torch.bfloat16, cuda) == torch.bfloat16
+    assert operands.mma_dtype(torch.bfloat16, FP8, cuda) == torch.float16
+    monkeypatch.setattr(operands, "FP8_WIDEN_DTYPE", None)
+    assert operands.mma_dtype(torch.bfloat16, FP8, cuda) == torch.bfloat16
+    assert operands.narrows_q(torch.float16, torch.bfloat16)
+    assert not operands.narrows_q(torch.float16, torch.float16)
+    assert not operands.narrows_q(torch.bfloat16, torch.bfloat16)
