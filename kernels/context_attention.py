@@ -67,18 +67,29 @@ def default_config(rows_pad: int, cache_dtype: torch.dtype, device: torch.device
 
 
 @triton.jit
-def _attend_tile(q, k, v, valid, acc, m_i, l_i, score_scale, v_scale,
-                 HAS_V_SCALE: tl.constexpr, COMPUTE: tl.constexpr, PRECISION: tl.constexpr):
-    # q [ROWS, D], k/v [N, D] in COMPUTE; valid [N]; scores in log2 units: s = q.k * score_scale
-    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * score_scale
-    s = tl.where(valid[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every tile holds at least one valid key
+def _attend_tile(q, k, v, valid, acc, m_i, l_i, score_scale, log2_v_scale,
+                 MASKED: tl.constexpr, HAS_V_SCALE: tl.constexpr, COMPUTE: tl.constexpr,
+                 PRECISION: tl.constexpr):
+    """One online-softmax step over a K/V tile; q [ROWS, D], k / v [N, D] in COMPUTE.
+
+    Scores in log2 units are ``q.k * score_scale``: the running max is kept scaled while the raw
+    scores are scaled inside the exponent (one FMA per score; score_scale > 0 keeps the max).
+    MASKED drops keys where ``valid`` [N] is false (a full tile skips the select). A V scale
+    (dequantised values: sum_j p_j (v_scale v_j)) enters as ``2**log2_v_scale`` in the exponent,
+    and l_i takes the unscaled sum, so no extra multiply per score.
+    """
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+    if MASKED:
+        s = tl.where(valid[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1) * score_scale)  # finite: every tile holds a valid key
     alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    if HAS_V_SCALE:  # dequantised values: sum_j p_j (v_scale v_j) = sum_j (p_j v_scale) v_j
-        p = p * v_scale
-    acc = acc * alpha[:, None] + tl.dot(p.to(COMPUTE), v, input_precision=PRECISION)
+    if HAS_V_SCALE:
+        p = tl.exp2(s * score_scale - (m_new - log2_v_scale)[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1) * tl.exp2(-log2_v_scale)
+    else:
+        p = tl.exp2(s * score_scale - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+    acc = tl.dot(p.to(COMPUTE), v, acc * alpha[:, None], input_precision=PRECISION)
     return acc, m_new, l_i
 
 
@@ -140,15 +151,25 @@ def _context_attention_kernel(
     if NARROW_Q:
         ctx_scale = ctx_scale * tl.exp2(q_shift)
     if V_SCALE_MODE == 2:
-        ctx_v_scale = tl.load(v_scale).to(tl.float32)
+        log2_v_scale = tl.log2(tl.load(v_scale).to(tl.float32))
     else:
-        ctx_v_scale = v_scale
+        log2_v_scale = tl.log2(v_scale + 0.0)
 
-    # context: keys [start, end) through the block table; k_cache [blocks, TOKENS_PER_BLOCK, NKV, D]
+    # context: keys [start, end) through the block table; k_cache [blocks, TOKENS_PER_BLOCK, NKV, D].
+    # Whole tiles first (no masks on loads or scores), then the one partial tile, if any.
     table = block_table_ptr + b64 * stride_bt
     k_head = k_cache_ptr + kvh * stride_kh + dims[None, :] * stride_kd
     v_head = v_cache_ptr + kvh * stride_vh + dims[None, :] * stride_vd
-    for n0 in range(start, end, BLOCK_N):
+    full_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
+    for n0 in range(start, full_end, BLOCK_N):
+        keys = n0 + tl.arange(0, BLOCK_N)
+        page = tl.load(table + keys // TOKENS_PER_BLOCK).to(tl.int64)
+        slot = keys % TOKENS_PER_BLOCK
+        k = tl.load(k_head + (page * stride_kb + slot * stride_kt)[:, None])
+        v = tl.load(v_head + (page * stride_vb + slot * stride_vt)[:, None])
+        acc, m_i, l_i = _attend_tile(q, k.to(COMPUTE), v.to(COMPUTE), keys < end, acc, m_i, l_i, ctx_scale,
+                                     log2_v_scale, False, V_SCALE_MODE != 0, COMPUTE, PRECISION)
+    for n0 in range(full_end, end, BLOCK_N):
         keys = n0 + tl.arange(0, BLOCK_N)
         valid = keys < end
         page = tl.load(table + keys // TOKENS_PER_BLOCK, mask=valid, other=0).to(tl.int64)
@@ -156,7 +177,7 @@ def _context_attention_kernel(
         k = tl.load(k_head + (page * stride_kb + slot * stride_kt)[:, None], mask=valid[:, None], other=0.0)
         v = tl.load(v_head + (page * stride_vb + slot * stride_vt)[:, None], mask=valid[:, None], other=0.0)
         acc, m_i, l_i = _attend_tile(q, k.to(COMPUTE), v.to(COMPUTE), valid, acc, m_i, l_i, ctx_scale,
-                                     ctx_v_scale, V_SCALE_MODE != 0, COMPUTE, PRECISION)
+                                     log2_v_scale, True, V_SCALE_MODE != 0, COMPUTE, PRECISION)
 
     pdl.allow_next_grid(USE_PDL)  # the context is read: the merge may be scheduled
     # noise suffix: all Q dense keys, folded once per request and head (by split 0)
@@ -172,7 +193,7 @@ def _context_attention_kernel(
         vn = tl.load(v_noise_ptr + b64 * stride_nvb + js[:, None] * stride_nvq + kvh * stride_nvh
                      + dims[None, :] * stride_nvd, mask=j_mask[:, None], other=0.0)
         acc, m_i, l_i = _attend_tile(qn, kn.to(NOISE_COMPUTE), vn.to(NOISE_COMPUTE), j_mask, acc, m_i, l_i,
-                                     sm_scale_log2, 1.0, False, NOISE_COMPUTE, PRECISION)
+                                     sm_scale_log2, 0.0, True, False, NOISE_COMPUTE, PRECISION)
 
     if SPLIT:
         state, lse = finalize_state(acc, m_i, l_i)

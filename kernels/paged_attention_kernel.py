@@ -68,6 +68,8 @@ def _attend_key_tile(
 
     acc [BLOCK_M, D_PAD], m_i / l_i [BLOCK_M]; q [BLOCK_M, D_PAD] in DOT_DTYPE. MASKED applies
     causality (key <= q_pos) and the range end; unmasked tiles lie wholly below every row.
+    The running max is kept in scaled (log2) units while the raw scores are scaled inside the
+    exponent (one FMA per score, qk_scale > 0 keeps the max), and P V accumulates into the dot.
     """
     n = start + tl.arange(0, BLOCK_N)
     d = tl.arange(0, D_PAD)
@@ -87,19 +89,19 @@ def _attend_key_tile(
     else:
         k = tl.load(K + k_rows[None, :] + d[:, None])  # K^T tile [D_PAD, BLOCK_N]
         v = tl.load(V + v_rows[:, None] + d[None, :])  # [BLOCK_N, D_PAD]
-    s = tl.dot(q, k.to(DOT_DTYPE)) * qk_scale  # [BLOCK_M, BLOCK_N] scores in log2 units
+    s = tl.dot(q, k.to(DOT_DTYPE))  # [BLOCK_M, BLOCK_N] raw scores
     if MASKED:
         s = tl.where((n[None, :] <= q_pos[:, None]) & n_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
         # A row may see no key of a diagonal tile yet (or of this split): keep 2**(-inf - -inf) out.
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
     else:
-        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
         m_ref = m_new
-    p = tl.exp2(s - m_ref[:, None])
+    p = tl.exp2(s * qk_scale - m_ref[:, None])
     alpha = tl.exp2(m_i - m_ref)
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE))
+    acc = tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), acc * alpha[:, None])
     return acc, m_new, l_i
 
 

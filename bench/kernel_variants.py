@@ -1,0 +1,262 @@
+"""Attention kernel sources side by side: the working tree against other versions, one process.
+
+    PYTHONPATH=. python bench/kernel_variants.py --out DIR --variant base=DIR1 [--variant NAME=DIR2 ...]
+        [--commit HASH] [--part paged|context|both] [--budget-s 420]
+
+A variant directory holds `paged_attention_kernel.py` and/or `context_attention.py`, other
+versions of the working tree's files with the same launch arguments (for example
+``git show COMMIT:kernels/paged_attention_kernel.py``). Each is imported under its own module
+name and its jitted kernels are swapped into the working tree's launchers
+(`kernels.paged_attention._paged_attention_kernel`, `kernels.context_attention`'s split and merge
+kernels) while its column is timed, so every column runs the same launcher, tiles and split plan
+on the same inputs. A variant without a file for a kernel reuses the working tree's.
+
+Timing is bench/paged_attention.py's (Qwen3-8B geometry, 16-token pages shuffled, one CUDA graph
+over rotated block tables, median of replays; outputs checked against SDPA over the gathered K/V
+where B x ctx <= 1M) and bench/context_attention.py's (D 128, Q 16, group 4, 32-token pages).
+After the source variants, launch-shape variants of the working tree's paged kernel run on the same
+inputs (`SHAPE_VARIANTS`: other tiles, a forced split count), each next to the default.
+Writes DIR/kernel_variants.{json,md} after every case.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import importlib.util
+import json
+import logging
+import os
+import time
+from pathlib import Path
+
+import context_attention as cab  # bench/ is sys.path[0]
+import paged_attention as pab
+import torch
+import triton
+
+from kernels import context_attention as ca
+from kernels import paged_attention as pa
+from kernels.paged_attention import TileConfig, choose_tiles
+
+log = logging.getLogger("bench.kernel_variants")
+NOW = "now"
+# (cache, q_len, B, ctx): decode, verify and the 8k prefill, where the targets are missed
+PAGED_CASES = [
+    ("bf16", 1, 1, 8192), ("bf16", 1, 32, 2048), ("bf16", 1, 128, 8192),
+    ("bf16", 8, 32, 8192), ("bf16", 8, 128, 2048), ("bf16", 16, 32, 8192), ("bf16", 16, 128, 2048),
+    ("bf16", 8192, 1, 8192),
+    ("fp8", 1, 128, 8192), ("fp8", 8, 32, 8192), ("fp8", 16, 128, 2048), ("fp8", 8192, 1, 8192),
+]
+# (cache, NKV, B, ctx)
+CONTEXT_CASES = [
+    ("bf16", 4, 1, 8192), ("bf16", 8, 64, 8192), ("bf16", 4, 256, 2048), ("bf16", 8, 256, 2048),
+    ("fp8", 4, 1, 8192), ("fp8", 8, 64, 8192), ("fp8", 4, 256, 2048),
+]
+# (name, cache, q_len, B, ctx, tiles or None for the default, num_splits or None for the plan)
+SHAPE_VARIANTS = [
+    ("q8 in 64-row tiles", "bf16", 8, 32, 8192, TileConfig(16, 64, 64, 4, 2), None),
+    ("q8 in 64-row tiles", "bf16", 8, 128, 2048, TileConfig(16, 64, 64, 4, 2), None),
+    ("q8 in 64-row tiles", "fp8", 8, 32, 8192, TileConfig(16, 64, 128, 4, 2), None),
+    ("q8, 128-key tiles", "bf16", 8, 32, 8192, TileConfig(8, 32, 128, 4, 2), None),
+    ("2 splits", "bf16", 1, 32, 2048, None, 2),
+    ("prefill 256 x 64 tiles", "bf16", 8192, 1, 8192, TileConfig(64, 256, 64, 8, 2), None),
+    ("prefill 256 x 64 tiles", "fp8", 8192, 1, 8192, TileConfig(64, 256, 64, 8, 2), None),
+    ("prefill 128 x 64, 4 stages", "bf16", 8192, 1, 8192, TileConfig(32, 128, 64, 8, 4), None),
+]
+
+
+def load_variant(name: str, directory: Path) -> dict:
+    """{file stem: module} for the kernel files present in `directory`."""
+    modules = {}
+    for stem in ("paged_attention_kernel", "context_attention"):
+        path = directory / f"{stem}.py"
+        if path.exists():
+            spec = importlib.util.spec_from_file_location(f"variant_{name}_{stem}", path)
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+            modules[stem] = module
+    if not modules:
+        raise SystemExit(f"variant {name}: {directory} holds neither paged_attention_kernel.py nor "
+                         f"context_attention.py")
+    return modules
+
+
+@contextlib.contextmanager
+def swapped_in(modules: dict):
+    """The variant's kernels in the working tree's launchers, restored afterwards."""
+    saved = (pa._paged_attention_kernel, ca._context_attention_kernel, ca._context_merge_kernel)
+    if "paged_attention_kernel" in modules:
+        pa._paged_attention_kernel = modules["paged_attention_kernel"]._paged_attention_kernel
+    if "context_attention" in modules:
+        ca._context_attention_kernel = modules["context_attention"]._context_attention_kernel
+        ca._context_merge_kernel = modules["context_attention"]._context_merge_kernel
+    try:
+        yield
+    finally:
+        pa._paged_attention_kernel, ca._context_attention_kernel, ca._context_merge_kernel = saved
+
+
+def paged_rate(rec, ceil) -> float:
+    """% of the copy bandwidth (decode, verify) or of the bf16 matmul rate (prefill)."""
+    if rec["q_len"] > 16:
+        return 100 * rec["flops"] / rec["seconds"] / ceil["matmul_flop_per_s"]
+    return 100 * rec["bytes"] / rec["seconds"] / ceil["copy_bytes_per_s"]
+
+
+def measure_paged(geo, pools, variants, case, device) -> dict:
+    dtype_name, q_len, batch, ctx = case
+    group = geo["heads"] // geo["kv_heads"]
+    cache = pab.DTYPES[dtype_name]
+    tiles = choose_tiles(batch * q_len, batch, group, geo["head_dim"], device, cache)
+    row = {"cache": dtype_name, "q_len": q_len, "batch": batch, "ctx": ctx, "tiles": tiles._asdict(),
+           "us": {}, "err": {}}
+    for name, modules in variants.items():
+        with swapped_in(modules):
+            rec = pab.run_case(geo, pools[dtype_name], dtype_name, batch, ctx, q_len, tiles, device, {},
+                               check=batch * ctx <= (1 << 20), baseline=False)
+        row["us"][name] = rec["seconds"] * 1e6
+        row["err"][name] = rec.get("rel_err_vs_sdpa")
+        row["bytes"], row["flops"] = rec["bytes"], rec["flops"]
+    return row
+
+
+def measure_context(device, gen, variants, case) -> dict:
+    dtype_name, nkv, batch, ctx = case
+    sets, kv_bytes = cab.make_sets(batch, ctx, nkv, dtype_name, device, gen)
+    row = {"cache": dtype_name, "nkv": nkv, "batch": batch, "ctx": ctx, "kv_bytes": kv_bytes, "us": {},
+           "err": {}}
+    ref = ca.reference.paged_context_attention(**sets[0], **cab.scales(dtype_name))
+    for name, modules in variants.items():
+        with swapped_in(modules):
+            row["us"][name] = cab.time_ours(sets, dtype_name)
+            got = ca.paged_context_attention(**sets[0], **cab.scales(dtype_name))
+        row["err"][name] = cab.relative_error(got, ref)
+    del sets
+    torch.cuda.empty_cache()
+    return row
+
+
+def measure_shape(geo, pools, variant, device) -> dict:
+    name, dtype_name, q_len, batch, ctx, tiles, num_splits = variant
+    group = geo["heads"] // geo["kv_heads"]
+    default = choose_tiles(batch * q_len, batch, group, geo["head_dim"], device, pab.DTYPES[dtype_name])
+    row = {"name": name, "cache": dtype_name, "q_len": q_len, "batch": batch, "ctx": ctx, "us": {}}
+    for label, t, splits in (("default", default, None), ("variant", tiles or default, num_splits)):
+        rec = pab.run_case(geo, pools[dtype_name], dtype_name, batch, ctx, q_len, t, device, {},
+                           check=batch * ctx <= (1 << 20), baseline=False, num_splits=splits)
+        row["us"][label] = rec["seconds"] * 1e6
+        row[f"{label}_tiles"] = t._asdict()
+        row[f"{label}_err"] = rec.get("rel_err_vs_sdpa")
+        row["bytes"], row["flops"], row["seconds"] = rec["bytes"], rec["flops"], rec["seconds"]
+    return row
+
+
+def markdown(result) -> str:
+    ceil = result["ceilings"]
+    names = list(result["variants"])
+    base = names[1] if len(names) > 1 else names[0]
+    lines = [f"# Attention kernel variants side by side ({result['device']})", "",
+             f"commit `{result['commit']}`, {result['date']}, torch {result['torch']}, triton "
+             f"{result['triton']}. Command: `{result['command']}`. Variants: "
+             + ", ".join(f"`{k}` = {v}" for k, v in result["variants"].items()) + ". Ceilings measured "
+             f"here: copy {ceil['copy_bytes_per_s'] / 1e12:.2f} TB/s, bf16 matmul "
+             f"{ceil['matmul_flop_per_s'] / 1e12:.0f} TFLOP/s.", "",
+             "us per call under CUDA graphs, same inputs in every column; the rate of the working tree "
+             f"(`{NOW}`) is % of copy bandwidth (decode, verify, context) or of the bf16 matmul rate "
+             "(prefill); the ratio is its time over the first other variant's. Worst relative L2 error "
+             "against SDPA (paged, where checked) or the torch reference (context) over the columns.", "",
+             "## Paged kernel", "",
+             "| cache | q_len | B | ctx | " + " | ".join(names) + f" | {NOW} / {base} | {NOW} rate | error |",
+             "|" + "---|" * (7 + len(names))]
+    for r in result["paged"]:
+        rate = paged_rate({**r, "seconds": r["us"][NOW] * 1e-6}, ceil)
+        errs = [e for e in r["err"].values() if e is not None]
+        lines.append(f"| {r['cache']} | {r['q_len']} | {r['batch']} | {r['ctx']} | "
+                     + " | ".join(f"{r['us'][n]:.1f}" for n in names)
+                     + f" | {r['us'][NOW] / r['us'][base]:.3f} | {rate:.0f}% | "
+                     + (f"{max(errs):.1e}" if errs else "-") + " |")
+    lines += ["", "## Context kernel (D 128, Q 16, group 4)", "",
+              "| cache | NKV | B | ctx | " + " | ".join(names) + f" | {NOW} / {base} | {NOW} rate | error |",
+              "|" + "---|" * (7 + len(names))]
+    for r in result["context"]:
+        rate = 100 * r["kv_bytes"] / (r["us"][NOW] * 1e-6) / ceil["copy_bytes_per_s"]
+        lines.append(f"| {r['cache']} | {r['nkv']} | {r['batch']} | {r['ctx']} | "
+                     + " | ".join(f"{r['us'][n]:.1f}" for n in names)
+                     + f" | {r['us'][NOW] / r['us'][base]:.3f} | {rate:.0f}% | "
+                     + f"{max(r['err'].values()):.1e} |")
+    lines += ["", f"## Launch shapes of the paged kernel (`{NOW}`), next to its defaults", "",
+              "| variant | cache | q_len | B | ctx | default us | variant us | variant / default | "
+              "variant rate | tiles (q, m, n, warps, stages) |", "|" + "---|" * 10]
+    for r in result["shapes"]:
+        rate = paged_rate({**r, "seconds": r["us"]["variant"] * 1e-6}, ceil)
+        t = r["variant_tiles"]
+        lines.append(f"| {r['name']} | {r['cache']} | {r['q_len']} | {r['batch']} | {r['ctx']} | "
+                     f"{r['us']['default']:.1f} | {r['us']['variant']:.1f} | "
+                     f"{r['us']['variant'] / r['us']['default']:.3f} | {rate:.0f}% | "
+                     f"{t['block_q']}, {t['block_m']}, {t['block_n']}, {t['num_warps']}, {t['num_stages']} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    parser.add_argument("--variant", action="append", default=[], metavar="NAME=DIR",
+                        help="another version of the kernel files (repeatable)")
+    parser.add_argument("--commit", default=os.environ.get("COMMIT", "unknown"))
+    parser.add_argument("--part", choices=("paged", "context", "both"), default="both")
+    parser.add_argument("--budget-s", type=float, default=420.0, help="stop starting cases after this")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    variants = {NOW: {}}
+    described = {NOW: "the working tree"}
+    for spec in args.variant:
+        name, sep, directory = spec.partition("=")
+        if not sep or not name or name in variants:
+            raise SystemExit(f"--variant takes NAME=DIR with a new NAME, got {spec!r}")
+        variants[name] = load_variant(name, Path(directory))
+        described[name] = f"{directory} ({', '.join(variants[name])})"
+    device = torch.device("cuda")
+    end = time.monotonic() + args.budget_s
+    result = {"device": torch.cuda.get_device_name(), "commit": args.commit,
+              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "torch": torch.__version__, "triton": triton.__version__, "variants": described,
+              "command": "PYTHONPATH=. python bench/kernel_variants.py --out DIR "
+                         + " ".join(f"--variant {v}" for v in args.variant)
+                         + f" --commit {args.commit} --part {args.part}",
+              "ceilings": pab.ceilings(device, smoke=False), "paged": [], "context": [], "shapes": []}
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    def save():
+        (args.out / "kernel_variants.json").write_text(json.dumps(result, indent=2) + "\n")
+        (args.out / "kernel_variants.md").write_text(markdown(result))
+
+    if args.part != "context":
+        geo = pab.FULL
+        pools = {name: pab.Pool(geo, 128 * 8192 + 64 * geo["tpb"], dtype, device)
+                 for name, dtype in pab.DTYPES.items()}
+        for case in PAGED_CASES:
+            if time.monotonic() < end:
+                result["paged"].append(measure_paged(geo, pools, variants, case, device))
+                log.info("%s", result["paged"][-1])
+                save()
+        for variant in SHAPE_VARIANTS:
+            if time.monotonic() < end:
+                result["shapes"].append(measure_shape(geo, pools, variant, device))
+                log.info("%s", result["shapes"][-1])
+                save()
+        del pools
+        torch.cuda.empty_cache()
+    if args.part != "paged":
+        gen = torch.Generator().manual_seed(0)
+        for case in CONTEXT_CASES:
+            if time.monotonic() < end:
+                result["context"].append(measure_context(device, gen, variants, case))
+                log.info("%s", result["context"][-1])
+                save()
+    save()
+
+
+if __name__ == "__main__":
+    main()
