@@ -14,7 +14,7 @@ on the same inputs. A variant without a file for a kernel reuses the working tre
 Timing is bench/paged_attention.py's (Qwen3-8B geometry, 16-token pages shuffled, one CUDA graph
 over rotated block tables, median of replays; outputs checked against SDPA over the gathered K/V
 where B x ctx <= 1M) and bench/context_attention.py's (D 128, Q 16, group 4, 32-token pages).
-After the source variants, launch-shape variants of the working tree's paged kernel run on the same
+After the source variants (paged, then context), launch-shape variants of the working tree's paged kernel run on the same
 inputs (`SHAPE_VARIANTS`: other tiles, a forced split count), each next to the default.
 Writes DIR/kernel_variants.{json,md} after every case.
 """
@@ -232,8 +232,9 @@ def main() -> None:
         (args.out / "kernel_variants.json").write_text(json.dumps(result, indent=2) + "\n")
         (args.out / "kernel_variants.md").write_text(markdown(result))
 
+    geo = pab.FULL
+    pools = {}
     if args.part != "context":
-        geo = pab.FULL
         pools = {name: pab.Pool(geo, 128 * 8192 + 64 * geo["tpb"], dtype, device)
                  for name, dtype in pab.DTYPES.items()}
         for case in PAGED_CASES:
@@ -241,13 +242,6 @@ def main() -> None:
                 result["paged"].append(measure_paged(geo, pools, variants, case, device))
                 log.info("%s", result["paged"][-1])
                 save()
-        for variant in SHAPE_VARIANTS:
-            if time.monotonic() < end:
-                result["shapes"].append(measure_shape(geo, pools, variant, device))
-                log.info("%s", result["shapes"][-1])
-                save()
-        del pools
-        torch.cuda.empty_cache()
     if args.part != "paged":
         gen = torch.Generator().manual_seed(0)
         for case in CONTEXT_CASES:
@@ -255,6 +249,11 @@ def main() -> None:
                 result["context"].append(measure_context(device, gen, variants, case))
                 log.info("%s", result["context"][-1])
                 save()
+    for variant in SHAPE_VARIANTS if pools else ():
+        if time.monotonic() < end:
+            result["shapes"].append(measure_shape(geo, pools, variant, device))
+            log.info("%s", result["shapes"][-1])
+            save()
     save()
 
 
