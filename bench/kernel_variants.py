@@ -14,8 +14,9 @@ on the same inputs. A variant without a file for a kernel reuses the working tre
 Timing is bench/paged_attention.py's (Qwen3-8B geometry, 16-token pages shuffled, one CUDA graph
 over rotated block tables, median of replays; outputs checked against SDPA over the gathered K/V
 where B x ctx <= 1M) and bench/context_attention.py's (D 128, Q 16, group 4, 32-token pages).
-After the source variants (paged, then context), launch-shape variants of the working tree's paged kernel run on the same
-inputs (`SHAPE_VARIANTS`: other tiles, a forced split count), each next to the default.
+After the source variants (paged, then context), launch-shape variants of the working tree's
+paged kernel run on the same inputs (`SHAPE_VARIANTS`: other tiles, a forced split count), each
+next to the default.
 Writes DIR/kernel_variants.{json,md} after every case.
 """
 
