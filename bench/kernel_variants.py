@@ -29,6 +29,7 @@ import importlib.util
 import json
 import logging
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -76,6 +77,7 @@ def load_variant(name: str, directory: Path) -> dict:
         if path.exists():
             spec = importlib.util.spec_from_file_location(f"variant_{name}_{stem}", path)
             module = importlib.util.module_from_spec(spec)
+            sys.modules[spec.name] = module  # dataclasses look their module up while it executes
             spec.loader.exec_module(module)
             modules[stem] = module
     if not modules:
