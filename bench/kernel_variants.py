@@ -39,10 +39,10 @@ import torch
 import triton
 
 from kernels import context_attention as ca
-from kernels import paged_attention as pa
 from kernels.paged_attention import TileConfig, choose_tiles
 
 log = logging.getLogger("bench.kernel_variants")
+pa = importlib.import_module("kernels.paged_attention")  # the package exports a function of that name
 NOW = "now"
 # (cache, q_len, B, ctx): decode, verify and the 8k prefill, where the targets are missed
 PAGED_CASES = [
