@@ -53,19 +53,23 @@ PAGED_CASES = [
 ]
 # (cache, NKV, B, ctx)
 CONTEXT_CASES = [
-    ("bf16", 4, 1, 8192), ("bf16", 8, 64, 8192), ("bf16", 4, 256, 2048), ("bf16", 8, 256, 2048),
-    ("fp8", 4, 1, 8192), ("fp8", 8, 64, 8192), ("fp8", 4, 256, 2048),
+    ("bf16", 4, 1, 8192), ("bf16", 4, 4, 32768), ("bf16", 4, 16, 8192), ("bf16", 8, 64, 8192),
+    ("bf16", 4, 256, 2048), ("fp8", 4, 1, 8192), ("fp8", 4, 16, 8192), ("fp8", 8, 64, 8192),
+    ("fp8", 4, 256, 2048),
 ]
 # (name, cache, q_len, B, ctx, tiles or None for the default, num_splits or None for the plan)
 SHAPE_VARIANTS = [
-    ("q8 in 64-row tiles", "bf16", 8, 32, 8192, TileConfig(16, 64, 64, 4, 2), None),
-    ("q8 in 64-row tiles", "bf16", 8, 128, 2048, TileConfig(16, 64, 64, 4, 2), None),
-    ("q8 in 64-row tiles", "fp8", 8, 32, 8192, TileConfig(16, 64, 128, 4, 2), None),
-    ("q8, 128-key tiles", "bf16", 8, 32, 8192, TileConfig(8, 32, 128, 4, 2), None),
-    ("2 splits", "bf16", 1, 32, 2048, None, 2),
-    ("prefill 256 x 64 tiles", "bf16", 8192, 1, 8192, TileConfig(64, 256, 64, 8, 2), None),
-    ("prefill 256 x 64 tiles", "fp8", 8192, 1, 8192, TileConfig(64, 256, 64, 8, 2), None),
-    ("prefill 128 x 64, 4 stages", "bf16", 8192, 1, 8192, TileConfig(32, 128, 64, 8, 4), None),
+    ("q8 before: 32 x 64", "bf16", 8, 32, 8192, TileConfig(8, 32, 64, 4, 2), None),
+    ("q8 before: 32 x 64", "bf16", 8, 128, 2048, TileConfig(8, 32, 64, 4, 2), None),
+    ("q16, 64 x 128, 8 warps", "bf16", 16, 32, 8192, TileConfig(16, 64, 128, 8, 2), None),
+    ("q16, 64 x 64, 3 stages", "bf16", 16, 32, 8192, TileConfig(16, 64, 64, 4, 3), None),
+    ("q8 before: 32 x 128", "fp8", 8, 32, 8192, TileConfig(8, 32, 128, 4, 2), None),
+    ("q4 before: 16 x 128", "fp8", 4, 32, 8192, TileConfig(4, 16, 128, 4, 2), None),
+    ("q16, 64 x 128, 8 warps", "fp8", 16, 32, 8192, TileConfig(16, 64, 128, 8, 2), None),
+    ("q16, 64 x 256, 8 warps", "fp8", 16, 32, 8192, TileConfig(16, 64, 256, 8, 2), None),
+    ("prefill before: 128 x 128", "bf16", 8192, 1, 8192, TileConfig(32, 128, 128, 8, 3), None),
+    ("prefill before: 128 x 128", "fp8", 8192, 1, 8192, TileConfig(32, 128, 128, 8, 2), None),
+    ("prefill 256 x 64, 3 stages", "bf16", 8192, 1, 8192, TileConfig(64, 256, 64, 8, 3), None),
 ]
 
 

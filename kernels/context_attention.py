@@ -156,11 +156,14 @@ def _context_attention_kernel(
         log2_v_scale = tl.log2(v_scale + 0.0)
 
     # context: keys [start, end) through the block table; k_cache [blocks, TOKENS_PER_BLOCK, NKV, D].
-    # Whole tiles first (no masks on loads or scores), then the one partial tile, if any.
+    # The single pass takes whole tiles first (no masks on loads or scores: 12% faster at B >= 64,
+    # bench/results/kernel_variants.md), then the partial one; a split's few tiles take one loop.
     table = block_table_ptr + b64 * stride_bt
     k_head = k_cache_ptr + kvh * stride_kh + dims[None, :] * stride_kd
     v_head = v_cache_ptr + kvh * stride_vh + dims[None, :] * stride_vd
-    full_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
+    full_end = start
+    if not SPLIT:
+        full_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
     for n0 in range(start, full_end, BLOCK_N):
         keys = n0 + tl.arange(0, BLOCK_N)
         page = tl.load(table + keys // TOKENS_PER_BLOCK).to(tl.int64)

@@ -23,8 +23,13 @@ Q_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 CACHE_DTYPES = (*Q_DTYPES, torch.float8_e4m3fn)
 MAX_HEAD_DIM = 256
 # Query rows (positions x group heads) per tile when the batch is mostly prefill: the tensor-core
-# tile that keeps a long chunk compute bound; decode and verify tiles stay small (16..64 rows).
-PREFILL_ROWS = 128
+# tile that keeps a long chunk compute bound (256 rows x 64 keys measured fastest on an H200, 5% over
+# 128 x 128 for an fp8 cache, even for bf16: bench/results/kernel_variants.md); half of it where
+# 32-bit operands or D > 128 would overflow shared memory, and in the interpreter.
+PREFILL_ROWS = 256
+# Verify tiles over an fp8 cache hold at least this many rows (the widening of each K/V element to
+# 16 bits is shared by more rows: q_len 8 measured 20% faster in 64 rows than in 32).
+FP8_VERIFY_ROWS = 64
 # Mean queries per sequence above which a batch is treated as prefill-heavy.
 MAX_VERIFY_QUERIES = 16
 MAX_KEY_TILE_BYTES = 32 << 10
@@ -54,34 +59,42 @@ class TileConfig(NamedTuple):
 
 
 # (block_n, num_warps, num_stages) per regime and cache element size on a GPU: the winners of the
-# H200 sweep recorded in bench/results/paged_attention_sweep.md (Qwen3-8B geometry, D 128).
+# H200 sweeps recorded in bench/results/paged_attention_sweep.md and kernel_variants.md (Qwen3-8B
+# geometry, D 128). bf16 verify tiles of at most 32 rows take 128 keys instead (q_len 8: 16% faster).
 GPU_TILES = {
-    ("decode", 2): (128, 4, 3), ("verify", 2): (64, 4, 2), ("prefill", 2): (128, 8, 3),
-    ("decode", 1): (128, 4, 2), ("verify", 1): (128, 4, 2), ("prefill", 1): (128, 8, 2),
+    ("decode", 2): (128, 4, 3), ("verify", 2): (64, 4, 2), ("prefill", 2): (64, 8, 2),
+    ("decode", 1): (128, 4, 2), ("verify", 1): (128, 4, 2), ("prefill", 1): (64, 8, 2),
 }
 
 
 def choose_tiles(num_tokens: int, num_seqs: int, group: int, head_dim: int, device: torch.device,
-                 cache_dtype: torch.dtype = torch.bfloat16) -> TileConfig:
+                 cache_dtype: torch.dtype = torch.bfloat16, q_dtype: torch.dtype = torch.bfloat16
+                 ) -> TileConfig:
     """Tiles from static shapes only (T and B are fixed for a captured batch), never from lengths.
 
     A mean of <= 16 queries per sequence (decode, verify, or a mix) gets the smallest tile that
-    holds one sequence's queries x group; anything longer gets PREFILL_ROWS-row tiles. A mixed
-    batch then pays idle rows for its decodes, not extra K/V bytes.
+    holds one sequence's queries x group (at least FP8_VERIFY_ROWS rows when verifying over an fp8
+    cache on a GPU); anything longer gets PREFILL_ROWS-row tiles. A mixed batch then pays idle rows
+    for its decodes, not extra K/V bytes.
     """
+    on_gpu = device.type == "cuda"
     mean_q = triton.cdiv(num_tokens, max(num_seqs, 1))
     if mean_q <= MAX_VERIFY_QUERIES:
         regime = "decode" if mean_q == 1 else "verify"
-        block_q = max(triton.next_power_of_2(mean_q), 16 // group if group < 16 else 1)
+        min_rows = FP8_VERIFY_ROWS if on_gpu and regime == "verify" and cache_dtype.itemsize == 1 else 16
+        block_q = max(triton.next_power_of_2(mean_q), max(1, min_rows // group))
     else:
         regime = "prefill"
-        rows = PREFILL_ROWS if head_dim <= 128 else PREFILL_ROWS // 2
+        wide = head_dim > 128 or max(cache_dtype.itemsize, q_dtype.itemsize) > 2
+        rows = PREFILL_ROWS // 2 if wide or not on_gpu else PREFILL_ROWS
         block_q = max(1, rows // group)
     block_m = max(16, triton.next_power_of_2(block_q * group))
-    if device.type != "cuda":
+    if not on_gpu:
         # The interpreter: small key tiles so tests cross tiles and pages at tiny lengths.
         return TileConfig(block_q, block_m, 16, 4, 1)
     block_n, num_warps, num_stages = GPU_TILES[regime, min(2, cache_dtype.itemsize)]
+    if regime == "verify" and cache_dtype.itemsize == 2 and block_m <= 32:
+        block_n = 128
     # The sweep's tiles hold <= 32 KiB of K per stage (bf16, D 128): wider keys (fp32, D 256) get
     # fewer of them so the pipelined stages still fit in shared memory.
     while block_n > 16 and block_n * head_dim * cache_dtype.itemsize > MAX_KEY_TILE_BYTES:
@@ -208,7 +221,7 @@ def _launch_paged_attention(q, k_cache, v_cache, block_table, seq_lens, query_st
     batch = seq_lens.shape[0]
     if num_tokens == 0 or batch == 0:
         return out
-    tiles = tiles or choose_tiles(num_tokens, batch, group, head_dim, q.device, k_cache.dtype)
+    tiles = tiles or choose_tiles(num_tokens, batch, group, head_dim, q.device, k_cache.dtype, q.dtype)
     num_items = max(batch, triton.cdiv(num_tokens, tiles.block_q)) * num_kv_heads
     max_splits, min_tokens = _split_plan(num_items, num_heads, head_dim, tiles, num_splits, q.device)
     split = max_splits > 1

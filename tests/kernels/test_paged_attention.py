@@ -103,6 +103,25 @@ def test_prefill_tiles_with_decodes_in_the_batch():
     assert_close(run_kernel(batch), attention_f64(**batch), torch.float32)
 
 
+def test_gpu_tile_rules_follow_the_regime_and_the_operand_width():
+    # choose_tiles reads shapes and dtypes only, so its GPU rules are checkable without a GPU
+    cuda, fp8, bf16, fp32 = torch.device("cuda"), torch.float8_e4m3fn, torch.bfloat16, torch.float32
+    decode = choose_tiles(32, 32, 4, 128, cuda, bf16)
+    assert (decode.block_q, decode.block_m, decode.block_n) == (4, 16, 128)
+    q8 = choose_tiles(8 * 32, 32, 4, 128, cuda, bf16)  # 32 rows: 128 keys
+    assert (q8.block_q, q8.block_m, q8.block_n) == (8, 32, 128)
+    q16 = choose_tiles(16 * 32, 32, 4, 128, cuda, bf16)  # 64 rows: 64 keys
+    assert (q16.block_q, q16.block_m, q16.block_n) == (16, 64, 64)
+    q8_fp8 = choose_tiles(8 * 32, 32, 4, 128, cuda, fp8)  # fp8 verify: at least 64 rows
+    assert (q8_fp8.block_q, q8_fp8.block_m, q8_fp8.block_n) == (16, 64, 128)
+    for cache in (bf16, fp8):
+        prefill = choose_tiles(8192, 1, 4, 128, cuda, cache)
+        assert (prefill.block_q, prefill.block_m, prefill.block_n) == (64, 256, 64)
+    assert choose_tiles(8192, 1, 4, 128, cuda, fp32, fp32).block_m == 128  # 32-bit operands
+    assert choose_tiles(8192, 1, 4, 256, cuda, bf16).block_m == 128  # D 256
+    assert choose_tiles(8 * 32, 32, 4, 128, torch.device("cpu"), fp8).block_m == 32  # interpreter
+
+
 def test_every_query_count_from_1_to_16():
     q_lens = list(range(1, 17))
     ctx_lens = [(7 * q + 3) % 29 for q in q_lens]  # includes empty contexts and mid-page ends
