@@ -27,8 +27,8 @@ MAX_HEAD_DIM = 256
 # 128 x 128 for an fp8 cache, even for bf16: bench/results/kernel_variants.md); half of it where
 # 32-bit operands or D > 128 would overflow shared memory, and in the interpreter.
 PREFILL_ROWS = 256
-# Verify tiles over an fp8 cache hold at least this many rows (the widening of each K/V element to
-# 16 bits is shared by more rows: q_len 8 measured 20% faster in 64 rows than in 32).
+# Verify tiles over an fp8 cache skip 32 rows for 64 (q_len 8, group 4: 20% faster; 16-row tiles,
+# q_len <= 4, stay: 21% faster than in 64 rows; bench/results/kernel_variants.md).
 FP8_VERIFY_ROWS = 64
 # Mean queries per sequence above which a batch is treated as prefill-heavy.
 MAX_VERIFY_QUERIES = 16
@@ -61,8 +61,9 @@ class TileConfig(NamedTuple):
 # (block_n, num_warps, num_stages) per regime and cache element size on a GPU: the winners of the
 # H200 sweeps recorded in bench/results/paged_attention_sweep.md and kernel_variants.md (Qwen3-8B
 # geometry, D 128). bf16 verify tiles of at most 32 rows take 128 keys instead (q_len 8: 16% faster).
+# 32-bit operands keep at most 2 stages (shared memory).
 GPU_TILES = {
-    ("decode", 2): (128, 4, 3), ("verify", 2): (64, 4, 2), ("prefill", 2): (64, 8, 2),
+    ("decode", 2): (128, 4, 3), ("verify", 2): (64, 4, 2), ("prefill", 2): (64, 8, 3),
     ("decode", 1): (128, 4, 2), ("verify", 1): (128, 4, 2), ("prefill", 1): (64, 8, 2),
 }
 
@@ -73,16 +74,17 @@ def choose_tiles(num_tokens: int, num_seqs: int, group: int, head_dim: int, devi
     """Tiles from static shapes only (T and B are fixed for a captured batch), never from lengths.
 
     A mean of <= 16 queries per sequence (decode, verify, or a mix) gets the smallest tile that
-    holds one sequence's queries x group (at least FP8_VERIFY_ROWS rows when verifying over an fp8
-    cache on a GPU); anything longer gets PREFILL_ROWS-row tiles. A mixed batch then pays idle rows
-    for its decodes, not extra K/V bytes.
+    holds one sequence's queries x group (FP8_VERIFY_ROWS instead of 32 rows when verifying over an
+    fp8 cache on a GPU); anything longer gets PREFILL_ROWS-row tiles. A mixed batch then pays idle
+    rows for its decodes, not extra K/V bytes.
     """
     on_gpu = device.type == "cuda"
     mean_q = triton.cdiv(num_tokens, max(num_seqs, 1))
     if mean_q <= MAX_VERIFY_QUERIES:
         regime = "decode" if mean_q == 1 else "verify"
-        min_rows = FP8_VERIFY_ROWS if on_gpu and regime == "verify" and cache_dtype.itemsize == 1 else 16
-        block_q = max(triton.next_power_of_2(mean_q), max(1, min_rows // group))
+        block_q = max(triton.next_power_of_2(mean_q), 16 // group if group < 16 else 1)
+        if on_gpu and regime == "verify" and cache_dtype.itemsize == 1 and block_q * group == 32:
+            block_q = FP8_VERIFY_ROWS // group
     else:
         regime = "prefill"
         wide = head_dim > 128 or max(cache_dtype.itemsize, q_dtype.itemsize) > 2
@@ -99,6 +101,8 @@ def choose_tiles(num_tokens: int, num_seqs: int, group: int, head_dim: int, devi
     # fewer of them so the pipelined stages still fit in shared memory.
     while block_n > 16 and block_n * head_dim * cache_dtype.itemsize > MAX_KEY_TILE_BYTES:
         block_n //= 2
+    if max(cache_dtype.itemsize, q_dtype.itemsize) > 2:
+        num_stages = min(num_stages, 2)
     return TileConfig(block_q, block_m, block_n, num_warps, num_stages)
 
 

@@ -112,12 +112,15 @@ def test_gpu_tile_rules_follow_the_regime_and_the_operand_width():
     assert (q8.block_q, q8.block_m, q8.block_n) == (8, 32, 128)
     q16 = choose_tiles(16 * 32, 32, 4, 128, cuda, bf16)  # 64 rows: 64 keys
     assert (q16.block_q, q16.block_m, q16.block_n) == (16, 64, 64)
-    q8_fp8 = choose_tiles(8 * 32, 32, 4, 128, cuda, fp8)  # fp8 verify: at least 64 rows
+    q8_fp8 = choose_tiles(8 * 32, 32, 4, 128, cuda, fp8)  # fp8 verify: 64 rows, not 32
     assert (q8_fp8.block_q, q8_fp8.block_m, q8_fp8.block_n) == (16, 64, 128)
-    for cache in (bf16, fp8):
+    q4_fp8 = choose_tiles(4 * 32, 32, 4, 128, cuda, fp8)  # ... but 16 stay 16
+    assert (q4_fp8.block_q, q4_fp8.block_m) == (4, 16)
+    for cache, stages in ((bf16, 3), (fp8, 2)):
         prefill = choose_tiles(8192, 1, 4, 128, cuda, cache)
-        assert (prefill.block_q, prefill.block_m, prefill.block_n) == (64, 256, 64)
-    assert choose_tiles(8192, 1, 4, 128, cuda, fp32, fp32).block_m == 128  # 32-bit operands
+        assert tuple(prefill) == (64, 256, 64, 8, stages)  # (q, m, n, warps, stages)
+    wide = choose_tiles(8192, 1, 4, 128, cuda, fp32, fp32)  # 32-bit operands: half the rows, 2 stages
+    assert (wide.block_m, wide.num_stages) == (128, 2)
     assert choose_tiles(8192, 1, 4, 256, cuda, bf16).block_m == 128  # D 256
     assert choose_tiles(8 * 32, 32, 4, 128, torch.device("cpu"), fp8).block_m == 32  # interpreter
 
