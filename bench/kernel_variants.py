@@ -59,17 +59,14 @@ CONTEXT_CASES = [
 ]
 # (name, cache, q_len, B, ctx, tiles or None for the default, num_splits or None for the plan)
 SHAPE_VARIANTS = [
-    ("q8 before: 32 x 64", "bf16", 8, 32, 8192, TileConfig(8, 32, 64, 4, 2), None),
-    ("q8 before: 32 x 64", "bf16", 8, 128, 2048, TileConfig(8, 32, 64, 4, 2), None),
-    ("q16, 64 x 128, 8 warps", "bf16", 16, 32, 8192, TileConfig(16, 64, 128, 8, 2), None),
-    ("q16, 64 x 64, 3 stages", "bf16", 16, 32, 8192, TileConfig(16, 64, 64, 4, 3), None),
-    ("q8 before: 32 x 128", "fp8", 8, 32, 8192, TileConfig(8, 32, 128, 4, 2), None),
-    ("q4 before: 16 x 128", "fp8", 4, 32, 8192, TileConfig(4, 16, 128, 4, 2), None),
-    ("q16, 64 x 128, 8 warps", "fp8", 16, 32, 8192, TileConfig(16, 64, 128, 8, 2), None),
-    ("q16, 64 x 256, 8 warps", "fp8", 16, 32, 8192, TileConfig(16, 64, 256, 8, 2), None),
-    ("prefill before: 128 x 128", "bf16", 8192, 1, 8192, TileConfig(32, 128, 128, 8, 3), None),
-    ("prefill before: 128 x 128", "fp8", 8192, 1, 8192, TileConfig(32, 128, 128, 8, 2), None),
-    ("prefill 256 x 64, 3 stages", "bf16", 8192, 1, 8192, TileConfig(64, 256, 64, 8, 3), None),
+    ("prefill 256 x 64, 3 stages", "fp8", 8192, 1, 8192, TileConfig(64, 256, 64, 8, 3), None),
+    ("prefill 256 x 64, 4 stages", "bf16", 8192, 1, 8192, TileConfig(64, 256, 64, 8, 4), None),
+    ("q16, 64 x 64, 3 stages", "bf16", 16, 32, 32768, TileConfig(16, 64, 64, 4, 3), None),
+    ("q16, 64 x 64, 3 stages", "bf16", 16, 128, 2048, TileConfig(16, 64, 64, 4, 3), None),
+    ("q8, 32 x 128, 3 stages", "bf16", 8, 32, 8192, TileConfig(8, 32, 128, 4, 3), None),
+    ("q8, 64 x 128, 3 stages", "fp8", 8, 32, 8192, TileConfig(16, 64, 128, 4, 3), None),
+    ("decode 16 x 128, 8 warps", "bf16", 1, 128, 8192, TileConfig(4, 16, 128, 8, 3), None),
+    ("decode 16 x 128, 4 stages", "bf16", 1, 32, 2048, TileConfig(4, 16, 128, 4, 4), None),
 ]
 
 
