@@ -63,8 +63,8 @@ class TileConfig(NamedTuple):
 # geometry, D 128). bf16 verify tiles of at most 32 rows take 128 keys instead (q_len 8: 16% faster).
 # 32-bit operands keep at most 2 stages (shared memory).
 GPU_TILES = {
-    ("decode", 2): (128, 4, 3), ("verify", 2): (64, 4, 2), ("prefill", 2): (64, 8, 3),
-    ("decode", 1): (128, 4, 2), ("verify", 1): (128, 4, 2), ("prefill", 1): (64, 8, 2),
+    ("decode", 2): (128, 4, 3), ("verify", 2): (64, 4, 3), ("prefill", 2): (64, 8, 3),
+    ("decode", 1): (128, 4, 2), ("verify", 1): (128, 4, 2), ("prefill", 1): (64, 8, 3),
 }
 
 

@@ -116,7 +116,7 @@ def test_gpu_tile_rules_follow_the_regime_and_the_operand_width():
     assert (q8_fp8.block_q, q8_fp8.block_m, q8_fp8.block_n) == (16, 64, 128)
     q4_fp8 = choose_tiles(4 * 32, 32, 4, 128, cuda, fp8)  # ... but 16 stay 16
     assert (q4_fp8.block_q, q4_fp8.block_m) == (4, 16)
-    for cache, stages in ((bf16, 3), (fp8, 2)):
+    for cache, stages in ((bf16, 3), (fp8, 3)):
         prefill = choose_tiles(8192, 1, 4, 128, cuda, cache)
         assert tuple(prefill) == (64, 256, 64, 8, stages)  # (q, m, n, warps, stages)
     wide = choose_tiles(8192, 1, 4, 128, cuda, fp32, fp32)  # 32-bit operands: half the rows, 2 stages
