@@ -156,8 +156,9 @@ def _context_attention_kernel(
         log2_v_scale = tl.log2(v_scale + 0.0)
 
     # context: keys [start, end) through the block table; k_cache [blocks, TOKENS_PER_BLOCK, NKV, D].
-    # The single pass takes whole tiles first (no masks on loads or scores: 12% faster at B >= 64,
-    # bench/results/kernel_variants.md), then the partial one; a split's few tiles take one loop.
+    # The single pass takes whole tiles first (no masks on loads or scores), then the partial one;
+    # a split's few tiles take one loop (two loops measured 4-11% slower at B 1). With the FMA step of
+    # `_attend_tile`, bf16 at B >= 64 got 11-13% faster (bench/results/kernel_variants_1_fma.md).
     table = block_table_ptr + b64 * stride_bt
     k_head = k_cache_ptr + kvh * stride_kh + dims[None, :] * stride_kd
     v_head = v_cache_ptr + kvh * stride_vh + dims[None, :] * stride_vd

@@ -23,12 +23,13 @@ Q_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 CACHE_DTYPES = (*Q_DTYPES, torch.float8_e4m3fn)
 MAX_HEAD_DIM = 256
 # Query rows (positions x group heads) per tile when the batch is mostly prefill: the tensor-core
-# tile that keeps a long chunk compute bound (256 rows x 64 keys measured fastest on an H200, 5% over
-# 128 x 128 for an fp8 cache, even for bf16: bench/results/kernel_variants.md); half of it where
-# 32-bit operands or D > 128 would overflow shared memory, and in the interpreter.
+# tile that keeps a long chunk compute bound (256 rows x 64 keys in 3 stages: 9% faster than 128 x 128
+# for a bf16 and for an fp8 cache on an H200, bench/results/kernel_variants_2_tiles.md and
+# _3_stages.md); half of it where 32-bit operands or D > 128 would overflow shared memory, and in the
+# interpreter.
 PREFILL_ROWS = 256
 # Verify tiles over an fp8 cache skip 32 rows for 64 (q_len 8, group 4: 20% faster; 16-row tiles,
-# q_len <= 4, stay: 21% faster than in 64 rows; bench/results/kernel_variants.md).
+# q_len <= 4, stay: 21% faster than in 64 rows; bench/results/kernel_variants_2_tiles.md).
 FP8_VERIFY_ROWS = 64
 # Mean queries per sequence above which a batch is treated as prefill-heavy.
 MAX_VERIFY_QUERIES = 16
@@ -59,7 +60,7 @@ class TileConfig(NamedTuple):
 
 
 # (block_n, num_warps, num_stages) per regime and cache element size on a GPU: the winners of the
-# H200 sweeps recorded in bench/results/paged_attention_sweep.md and kernel_variants.md (Qwen3-8B
+# H200 sweeps recorded in bench/results/paged_attention_sweep.md and kernel_variants_*.md (Qwen3-8B
 # geometry, D 128). bf16 verify tiles of at most 32 rows take 128 keys instead (q_len 8: 16% faster).
 # 32-bit operands keep at most 2 stages (shared memory).
 GPU_TILES = {
