@@ -6,6 +6,14 @@ instruction where bf16 takes several (6-22% faster on an H200, bench/results/fp8
 A bf16 q is then narrowed to fp16 with `fp16_range_shift`, a power-of-two shift that keeps even
 an out-of-range q finite and exact up to fp16 rounding. The interpreter has no 16-bit math, so
 off the GPU every operand is fp32.
+
+`widen_values` widens an fp8 value tile [keys, D] for the P V product. Triton would otherwise load
+the fp8 bytes from shared memory straight into the MMA's register layout, where the keys (the
+reduction axis) are not contiguous: byte-wise shared loads (1 per element) and register moves. On
+sm_89+ (`cvt_asm`) the widening is an opaque inline-asm step that Triton does not move past the
+layout change, so the tile is widened in its load layout and reaches the MMA through a 16-bit
+transposing ldmatrix, as a bf16 tile does (offline sm_90 compile: 256 byte loads and 144 moves per
+thread fewer in a decode tile pair; bench/results/paged_attention_notes.md).
 """
 
 from __future__ import annotations
@@ -31,6 +39,32 @@ def mma_dtype(q_dtype: torch.dtype, cache_dtype: torch.dtype, device: torch.devi
 def narrows_q(mma: torch.dtype, q_dtype: torch.dtype) -> bool:
     """Whether q must be shifted into fp16's range before it becomes an `mma` operand."""
     return mma == torch.float16 and q_dtype != torch.float16
+
+
+def fp8_cvt_asm(device: torch.device) -> bool:
+    """Whether `widen_values` may use the e4m3 -> f16x2 conversion instruction (sm_89 and later)."""
+    if device.type != "cuda":
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return torch.cuda.get_device_capability(index) >= (8, 9)
+
+
+@triton.jit
+def _e4m3x4_to_f16(x):
+    # 4 e4m3 bytes of one 32-bit register -> 4 halves in two; not pure, so never hoisted
+    return tl.inline_asm_elementwise(
+        asm="{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; "
+            "cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
+        constraints="=r,=r,r", args=[x], dtype=tl.float16, is_pure=False, pack=4)
+
+
+@triton.jit
+def widen_values(v, DOT_DTYPE: tl.constexpr, CVT_ASM: tl.constexpr):
+    """A value tile in DOT_DTYPE; an e4m3 tile widened to fp16 in its load layout when CVT_ASM."""
+    if CVT_ASM and v.dtype == tl.float8e4nv and tl.float16 == DOT_DTYPE:
+        return _e4m3x4_to_f16(v)
+    else:
+        return v.to(DOT_DTYPE)
 
 
 @triton.jit

@@ -63,6 +63,7 @@ def _attend_key_tile(
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,  #
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr,  #
     TOKENS_PER_BLOCK: tl.constexpr, MASKED: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    FP8_CVT_ASM: tl.constexpr,
 ):
     """One online-softmax step over keys start..start+BLOCK_N-1 (base 2, fp32 state).
 
@@ -101,7 +102,7 @@ def _attend_key_tile(
     p = tl.exp2(s * qk_scale - m_ref[:, None])
     alpha = tl.exp2(m_i - m_ref)
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), acc * alpha[:, None])
+    acc = tl.dot(p.to(DOT_DTYPE), operands.widen_values(v, DOT_DTYPE, FP8_CVT_ASM), acc * alpha[:, None])
     return acc, m_new, l_i
 
 
@@ -120,7 +121,7 @@ def _paged_attention_kernel(
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,  #
     TOKENS_PER_BLOCK: tl.constexpr, SCALES_ON_DEVICE: tl.constexpr, SPLIT: tl.constexpr,  #
     FUSED_MERGE: tl.constexpr, MERGE_CHUNK: tl.constexpr, DOT_DTYPE: tl.constexpr,
-    USE_PDL: tl.constexpr, SEQ_SEARCH: tl.constexpr, NARROW_Q: tl.constexpr,
+    USE_PDL: tl.constexpr, SEQ_SEARCH: tl.constexpr, NARROW_Q: tl.constexpr, FP8_CVT_ASM: tl.constexpr,
 ):
     # Last tiles first: a causal chunk's later tiles see more keys, so they should not be the tail.
     tile_id = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -183,12 +184,12 @@ def _paged_attention_kernel(
         acc, m_i, l_i = _attend_key_tile(
             acc, m_i, l_i, q, K, V, block_row, start, hi, q_pos, kv_head, qk_scale,
             stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-            HEAD_DIM, D_PAD, BLOCK_N, TOKENS_PER_BLOCK, False, DOT_DTYPE)
+            HEAD_DIM, D_PAD, BLOCK_N, TOKENS_PER_BLOCK, False, DOT_DTYPE, FP8_CVT_ASM)
     for start in range(full_end, hi, BLOCK_N):
         acc, m_i, l_i = _attend_key_tile(
             acc, m_i, l_i, q, K, V, block_row, start, hi, q_pos, kv_head, qk_scale,
             stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-            HEAD_DIM, D_PAD, BLOCK_N, TOKENS_PER_BLOCK, True, DOT_DTYPE)
+            HEAD_DIM, D_PAD, BLOCK_N, TOKENS_PER_BLOCK, True, DOT_DTYPE, FP8_CVT_ASM)
 
     pdl.allow_next_grid(USE_PDL)  # the keys are read: the merge may be scheduled
     out, lse = finalize_state(acc, m_i, l_i)

@@ -46,3 +46,23 @@ def test_mma_dtype_rule(monkeypatch):
     assert operands.narrows_q(torch.float16, torch.bfloat16)
     assert not operands.narrows_q(torch.float16, torch.float16)
     assert not operands.narrows_q(torch.bfloat16, torch.bfloat16)
+
+
+@triton.jit
+def _widen_probe(x_ptr, out_ptr, CVT_ASM: tl.constexpr, N: tl.constexpr):
+    offs = tl.arange(0, N)[:, None] * N + tl.arange(0, N)[None, :]
+    tl.store(out_ptr + offs, operands.widen_values(tl.load(x_ptr + offs), tl.float16, CVT_ASM))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_inline_asm_widening_matches_torch_on_every_e4m3_value():
+    # every byte pattern but the two NaNs, in a shuffled 64 x 64 tile: exact, as torch widens them
+    codes = torch.arange(256, dtype=torch.int32)
+    codes = codes[(codes & 0x7F) != 0x7F].to(torch.uint8)
+    tile = codes[torch.randint(0, codes.numel(), (64 * 64,))].view(torch.float8_e4m3fn).cuda()
+    expected = tile.to(torch.float16)
+    for cvt_asm in (operands.fp8_cvt_asm(tile.device), False):
+        out = torch.empty(64 * 64, dtype=torch.float16, device="cuda")
+        _widen_probe[(1,)](tile, out, CVT_ASM=cvt_asm, N=64)
+        torch.testing.assert_close(out, expected, rtol=0, atol=0)
