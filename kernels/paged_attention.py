@@ -28,9 +28,6 @@ MAX_HEAD_DIM = 256
 # _3_stages.md); half of it where 32-bit operands or D > 128 would overflow shared memory, and in the
 # interpreter.
 PREFILL_ROWS = 256
-# Verify tiles over an fp8 cache skip 32 rows for 64 (q_len 8, group 4: 20% faster; 16-row tiles,
-# q_len <= 4, stay: 21% faster than in 64 rows; bench/results/kernel_variants_2_tiles.md).
-FP8_VERIFY_ROWS = 64
 # Mean queries per sequence above which a batch is treated as prefill-heavy.
 MAX_VERIFY_QUERIES = 16
 MAX_KEY_TILE_BYTES = 32 << 10
@@ -75,17 +72,14 @@ def choose_tiles(num_tokens: int, num_seqs: int, group: int, head_dim: int, devi
     """Tiles from static shapes only (T and B are fixed for a captured batch), never from lengths.
 
     A mean of <= 16 queries per sequence (decode, verify, or a mix) gets the smallest tile that
-    holds one sequence's queries x group (FP8_VERIFY_ROWS instead of 32 rows when verifying over an
-    fp8 cache on a GPU); anything longer gets PREFILL_ROWS-row tiles. A mixed batch then pays idle
-    rows for its decodes, not extra K/V bytes.
+    holds one sequence's queries x group; anything longer gets PREFILL_ROWS-row tiles. A mixed
+    batch then pays idle rows for its decodes, not extra K/V bytes.
     """
     on_gpu = device.type == "cuda"
     mean_q = triton.cdiv(num_tokens, max(num_seqs, 1))
     if mean_q <= MAX_VERIFY_QUERIES:
         regime = "decode" if mean_q == 1 else "verify"
         block_q = max(triton.next_power_of_2(mean_q), 16 // group if group < 16 else 1)
-        if on_gpu and regime == "verify" and cache_dtype.itemsize == 1 and block_q * group == 32:
-            block_q = FP8_VERIFY_ROWS // group
     else:
         regime = "prefill"
         wide = head_dim > 128 or max(cache_dtype.itemsize, q_dtype.itemsize) > 2

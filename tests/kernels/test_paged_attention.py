@@ -112,10 +112,8 @@ def test_gpu_tile_rules_follow_the_regime_and_the_operand_width():
     assert (q8.block_q, q8.block_m, q8.block_n) == (8, 32, 128)
     q16 = choose_tiles(16 * 32, 32, 4, 128, cuda, bf16)  # 64 rows: 64 keys
     assert (q16.block_q, q16.block_m, q16.block_n) == (16, 64, 64)
-    q8_fp8 = choose_tiles(8 * 32, 32, 4, 128, cuda, fp8)  # fp8 verify: 64 rows, not 32
-    assert (q8_fp8.block_q, q8_fp8.block_m, q8_fp8.block_n) == (16, 64, 128)
-    q4_fp8 = choose_tiles(4 * 32, 32, 4, 128, cuda, fp8)  # ... but 16 stay 16
-    assert (q4_fp8.block_q, q4_fp8.block_m) == (4, 16)
+    q8_fp8 = choose_tiles(8 * 32, 32, 4, 128, cuda, fp8)  # fp8 verify: 128 keys whatever the rows
+    assert (q8_fp8.block_q, q8_fp8.block_m, q8_fp8.block_n) == (8, 32, 128)
     for cache, stages in ((bf16, 3), (fp8, 3)):
         prefill = choose_tiles(8192, 1, 4, 128, cuda, cache)
         assert tuple(prefill) == (64, 256, 64, 8, stages)  # (q, m, n, warps, stages)
