@@ -60,10 +60,11 @@ CONTEXT_CASES = [
 ]
 # (name, cache, q_len, B, ctx, tiles or None for the default, num_splits or None for the plan)
 SHAPE_VARIANTS = [
-    ("q8 in 32-row tiles", "fp8", 8, 32, 8192, TileConfig(8, 32, 128, 4, 2), None),
-    ("decode in 3 stages", "fp8", 1, 128, 8192, TileConfig(4, 16, 128, 4, 3), None),
-    ("decode 16 x 64, 3 stages", "fp8", 1, 128, 8192, TileConfig(4, 16, 64, 4, 3), None),
-    ("q4, 16 x 128, 3 stages", "fp8", 4, 32, 8192, TileConfig(4, 16, 128, 4, 3), None),
+    ("q16 in one 64-row tile (before)", "bf16", 16, 32, 8192, TileConfig(16, 64, 64, 4, 3), None),
+    ("q16 in one 64-row tile (before)", "bf16", 16, 128, 2048, TileConfig(16, 64, 64, 4, 3), None),
+    ("q16 in one 64-row tile (before)", "bf16", 16, 32, 32768, TileConfig(16, 64, 64, 4, 3), None),
+    ("q16 in one 64-row tile (before)", "fp8", 16, 32, 8192, TileConfig(16, 64, 128, 4, 2), None),
+    ("q16 in one 64-row tile (before)", "fp8", 16, 128, 2048, TileConfig(16, 64, 128, 4, 2), None),
 ]
 
 
@@ -225,7 +226,8 @@ def main() -> None:
     parser.add_argument("--variant", action="append", default=[], metavar="NAME=DIR",
                         help="another version of the kernel files (repeatable)")
     parser.add_argument("--commit", default=os.environ.get("COMMIT", "unknown"))
-    parser.add_argument("--part", choices=("paged", "context", "both"), default="both")
+    parser.add_argument("--part", choices=("paged", "context", "both", "shapes"), default="both",
+                        help="shapes: only the launch-shape variants")
     parser.add_argument("--budget-s", type=float, default=420.0, help="stop starting cases after this")
     parser.add_argument("--cache", choices=("bf16", "fp8"), help="only the cases of this cache dtype")
     args = parser.parse_args()
@@ -259,12 +261,12 @@ def main() -> None:
     if args.part != "context":
         pools = {name: pab.Pool(geo, 128 * 8192 + 64 * geo["tpb"], dtype, device)
                  for name, dtype in pab.DTYPES.items()}
-        for case in PAGED_CASES:
+        for case in PAGED_CASES if args.part != "shapes" else ():
             if time.monotonic() < end and args.cache in (None, case[0]):
                 result["paged"].append(measure_paged(geo, pools, variants, case, device))
                 log.info("%s", result["paged"][-1])
                 save()
-    if args.part != "paged":
+    if args.part in ("context", "both"):
         gen = torch.Generator().manual_seed(0)
         for case in CONTEXT_CASES:
             if time.monotonic() < end and args.cache in (None, case[0]):
