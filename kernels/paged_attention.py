@@ -28,9 +28,6 @@ MAX_HEAD_DIM = 256
 # _3_stages.md); half of it where 32-bit operands or D > 128 would overflow shared memory, and in the
 # interpreter.
 PREFILL_ROWS = 256
-# Verify tiles on a GPU hold at most this many rows: a longer block takes several tiles, which read
-# the same K/V (the later ones mostly from L2) through the 16-row MMA path that 32-row tiles use.
-MAX_VERIFY_ROWS = 32
 # Mean queries per sequence above which a batch is treated as prefill-heavy.
 MAX_VERIFY_QUERIES = 16
 MAX_KEY_TILE_BYTES = 32 << 10
@@ -83,8 +80,6 @@ def choose_tiles(num_tokens: int, num_seqs: int, group: int, head_dim: int, devi
     if mean_q <= MAX_VERIFY_QUERIES:
         regime = "decode" if mean_q == 1 else "verify"
         block_q = max(triton.next_power_of_2(mean_q), 16 // group if group < 16 else 1)
-        if on_gpu and regime == "verify":
-            block_q = min(block_q, max(1, MAX_VERIFY_ROWS // group))
     else:
         regime = "prefill"
         wide = head_dim > 128 or max(cache_dtype.itemsize, q_dtype.itemsize) > 2

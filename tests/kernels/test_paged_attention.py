@@ -110,8 +110,8 @@ def test_gpu_tile_rules_follow_the_regime_and_the_operand_width():
     assert (decode.block_q, decode.block_m, decode.block_n) == (4, 16, 128)
     q8 = choose_tiles(8 * 32, 32, 4, 128, cuda, bf16)  # 32 rows: 128 keys
     assert (q8.block_q, q8.block_m, q8.block_n) == (8, 32, 128)
-    q16 = choose_tiles(16 * 32, 32, 4, 128, cuda, bf16)  # at most 32 rows: two tiles per block
-    assert (q16.block_q, q16.block_m, q16.block_n) == (8, 32, 128)
+    q16 = choose_tiles(16 * 32, 32, 4, 128, cuda, bf16)  # 64 rows: 64 keys
+    assert (q16.block_q, q16.block_m, q16.block_n) == (16, 64, 64)
     q8_fp8 = choose_tiles(8 * 32, 32, 4, 128, cuda, fp8)  # fp8 verify: 128 keys whatever the rows
     assert (q8_fp8.block_q, q8_fp8.block_m, q8_fp8.block_n) == (8, 32, 128)
     for cache, stages in ((bf16, 3), (fp8, 3)):
