@@ -110,7 +110,7 @@ def _context_attention_kernel(
     ROWS: tl.constexpr, NOISE_PAD: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
     K_SCALE_MODE: tl.constexpr, V_SCALE_MODE: tl.constexpr,
     COMPUTE: tl.constexpr, NOISE_COMPUTE: tl.constexpr, NARROW_Q: tl.constexpr, PRECISION: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    USE_PDL: tl.constexpr, FP8_CVT_ASM: tl.constexpr,
 ):
     kvh = tl.program_id(0)
     b = tl.program_id(1)
@@ -171,7 +171,8 @@ def _context_attention_kernel(
         slot = keys % TOKENS_PER_BLOCK
         k = tl.load(k_head + (page * stride_kb + slot * stride_kt)[:, None])
         v = tl.load(v_head + (page * stride_vb + slot * stride_vt)[:, None])
-        acc, m_i, l_i = _attend_tile(q, k.to(COMPUTE), v.to(COMPUTE), keys < end, acc, m_i, l_i, ctx_scale,
+        v = operands.widen_values(v, COMPUTE, FP8_CVT_ASM)
+        acc, m_i, l_i = _attend_tile(q, k.to(COMPUTE), v, keys < end, acc, m_i, l_i, ctx_scale,
                                      log2_v_scale, False, V_SCALE_MODE != 0, COMPUTE, PRECISION)
     for n0 in range(full_end, end, BLOCK_N):
         keys = n0 + tl.arange(0, BLOCK_N)
@@ -180,7 +181,8 @@ def _context_attention_kernel(
         slot = keys % TOKENS_PER_BLOCK
         k = tl.load(k_head + (page * stride_kb + slot * stride_kt)[:, None], mask=valid[:, None], other=0.0)
         v = tl.load(v_head + (page * stride_vb + slot * stride_vt)[:, None], mask=valid[:, None], other=0.0)
-        acc, m_i, l_i = _attend_tile(q, k.to(COMPUTE), v.to(COMPUTE), valid, acc, m_i, l_i, ctx_scale,
+        v = operands.widen_values(v, COMPUTE, FP8_CVT_ASM)
+        acc, m_i, l_i = _attend_tile(q, k.to(COMPUTE), v, valid, acc, m_i, l_i, ctx_scale,
                                      log2_v_scale, True, V_SCALE_MODE != 0, COMPUTE, PRECISION)
 
     pdl.allow_next_grid(USE_PDL)  # the context is read: the merge may be scheduled
@@ -293,7 +295,7 @@ def _launch_context_attention(q, k_cache, v_cache, block_table, ctx_lens, k_nois
         GROUP=group, HEAD_DIM=head_dim, TOKENS_PER_BLOCK=tokens_per_block, ROWS=rows_pad,
         NOISE_PAD=noise_pad, BLOCK_N=config.block_n, SPLIT=split, K_SCALE_MODE=k_mode,
         V_SCALE_MODE=v_mode, COMPUTE=compute, NOISE_COMPUTE=noise_compute, NARROW_Q=narrow_q,
-        PRECISION=precision, USE_PDL=use_pdl,
+        PRECISION=precision, USE_PDL=use_pdl, FP8_CVT_ASM=operands.fp8_cvt_asm(q.device),
         num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=use_pdl,
     )
     if split:

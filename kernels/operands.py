@@ -13,7 +13,9 @@ reduction axis) are not contiguous: byte-wise shared loads (1 per element) and r
 sm_89+ (`cvt_asm`) the widening is an opaque inline-asm step that Triton does not move past the
 layout change, so the tile is widened in its load layout and reaches the MMA through a 16-bit
 transposing ldmatrix, as a bf16 tile does (offline sm_90 compile: 256 byte loads and 144 moves per
-thread fewer in a decode tile pair; bench/results/paged_attention_notes.md).
+thread fewer in a paged decode tile pair; on an H200 fp8 decode got 2-5% faster,
+bench/results/kernel_variants_4_fp8_asm.md). Tiles of 64+ rows use the Hopper MMA, whose operands
+already pass through registers: same code either way. Both attention kernels widen their values so.
 """
 
 from __future__ import annotations
