@@ -15,7 +15,8 @@ layout change, so the tile is widened in its load layout and reaches the MMA thr
 transposing ldmatrix, as a bf16 tile does (offline sm_90 compile: 256 byte loads and 144 moves per
 thread fewer in a paged decode tile pair; on an H200 fp8 decode got 2-5% faster,
 bench/results/kernel_variants_4_fp8_asm.md). Tiles of 64+ rows use the Hopper MMA, whose operands
-already pass through registers: same code either way. Both attention kernels widen their values so.
+already pass through registers: the same shared loads and MMAs either way. Both attention kernels
+widen their values so.
 """
 
 from __future__ import annotations
