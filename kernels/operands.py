@@ -10,11 +10,11 @@ off the GPU every operand is fp32.
 `widen_values` widens an fp8 value tile [keys, D] for the P V product. Triton would otherwise load
 the fp8 bytes from shared memory straight into the MMA's register layout, where the keys (the
 reduction axis) are not contiguous: byte-wise shared loads (1 per element) and register moves. On
-sm_89+ (`cvt_asm`) the widening is an opaque inline-asm step that Triton does not move past the
+sm_89+ (`fp8_cvt_asm`) the widening is an opaque inline-asm step that Triton does not move past the
 layout change, so the tile is widened in its load layout and reaches the MMA through a 16-bit
-transposing ldmatrix, as a bf16 tile does (offline sm_90 compile: 256 byte loads and 144 moves per
-thread fewer in a paged decode tile pair; on an H200 fp8 decode got 2-5% faster,
-bench/results/kernel_variants_4_fp8_asm.md). Tiles of 64+ rows use the Hopper MMA, whose operands
+transposing ldmatrix, as a bf16 tile does (bench/kernel_sass.py, an offline sm_90 build: the paged
+decode kernel loses 256 byte loads and 169 moves per thread; on an H200 fp8 decode got 2-5%
+faster, bench/results/kernel_variants_4_fp8_asm.md). Tiles of 64+ rows use the Hopper MMA, whose operands
 already pass through registers: the same shared loads and MMAs either way. Both attention kernels
 widen their values so.
 """
