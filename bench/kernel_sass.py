@@ -59,7 +59,8 @@ def paged_build(args):
     constexprs = dict(NUM_HEADS=32, GROUP=4, HEAD_DIM=128, D_PAD=128, BLOCK_Q=block_q, BLOCK_M=block_m,
                       BLOCK_N=block_n, TOKENS_PER_BLOCK=16, SCALES_ON_DEVICE=fp8, SPLIT=args.split,
                       FUSED_MERGE=False, MERGE_CHUNK=4, DOT_DTYPE=tl.float16 if fp8 else tl.bfloat16,
-                      USE_PDL=True, SEQ_SEARCH=1 if block_q * 4 <= 16 else 64, NARROW_Q=fp8, FP8_CVT_ASM=True)
+                      USE_PDL=True, SEQ_SEARCH=1 if block_q * 4 <= 16 else 64, NARROW_Q=fp8,
+                      FP8_CVT_ASM=args.cvt_asm)
     return "kernels/paged_attention_kernel.py", "_paged_attention_kernel", pointers, constexprs
 
 
@@ -73,7 +74,7 @@ def context_build(args):
                       BLOCK_N=args.tile[2], SPLIT=args.split, K_SCALE_MODE=1 if fp8 else 0,
                       V_SCALE_MODE=1 if fp8 else 0, COMPUTE=tl.float16 if fp8 else tl.bfloat16,
                       NOISE_COMPUTE=tl.bfloat16, NARROW_Q=fp8, PRECISION="tf32", USE_PDL=True,
-                      FP8_CVT_ASM=True)
+                      FP8_CVT_ASM=args.cvt_asm)
     # the head-dim strides are 1, which Triton's launcher specialises as constants
     constexprs.update({f"stride_{t}d": 1 for t in ("q", "k", "v", "nk", "nv", "o")})
     return "kernels/context_attention.py", "_context_attention_kernel", pointers, constexprs
@@ -114,9 +115,11 @@ def main() -> None:
     parser.add_argument("--warps", type=int, default=4)
     parser.add_argument("--stages", type=int, default=2)
     parser.add_argument("--split", action="store_true", help="the split-KV variant")
+    parser.add_argument("--no-cvt-asm", dest="cvt_asm", action="store_false",
+                        help="widen fp8 values with a plain cast (what Triton does without kernels.operands)")
     parser.add_argument("--source", type=Path, help="another version of the kernel file")
     parser.add_argument("--keep", type=Path, help="write TTGIR, PTX and SASS here")
-    parser.add_argument("--top", type=int, default=30)
+    parser.add_argument("--top", type=int, default=30, help="opcodes to print (0: all)")
     args = parser.parse_args()
     args.tile = tuple(int(x) for x in args.tile.split(","))
     if len(args.tile) != 3:
@@ -134,7 +137,7 @@ def main() -> None:
     counts = collections.Counter(OPCODE.findall(sass))
     print(f"{args.kernel} {args.cache} tile {args.tile} warps {args.warps} stages {args.stages}: "
           f"{sum(counts.values())} instructions, {compiled.metadata.shared} B shared memory")
-    for opcode, count in counts.most_common(args.top):
+    for opcode, count in counts.most_common(args.top or None):
         print(f"{count:6d}  {opcode}")
 
 
