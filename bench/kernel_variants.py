@@ -1,7 +1,7 @@
 """Attention kernel sources side by side: the working tree against other versions, one process.
 
     PYTHONPATH=. python bench/kernel_variants.py --out DIR --variant base=DIR1 [--variant NAME=DIR2 ...]
-        [--commit HASH] [--part paged|context|both] [--budget-s 420]
+        [--commit HASH] [--part paged|context|both|shapes] [--cache bf16|fp8] [--budget-s 420]
 
 A variant directory holds `paged_attention_kernel.py` and/or `context_attention.py`, other
 versions of the working tree's files with the same launch arguments (for example
@@ -9,14 +9,15 @@ versions of the working tree's files with the same launch arguments (for example
 name and its jitted kernels are swapped into the working tree's launchers
 (`kernels.paged_attention._paged_attention_kernel`, `kernels.context_attention`'s split and merge
 kernels) while its column is timed, so every column runs the same launcher, tiles and split plan
-on the same inputs. A variant without a file for a kernel reuses the working tree's.
+on the same inputs. A variant without a file for a kernel reuses the working tree's; constexpr
+keywords the launcher passes that an older variant does not declare are dropped for it.
 
 Timing is bench/paged_attention.py's (Qwen3-8B geometry, 16-token pages shuffled, one CUDA graph
 over rotated block tables, median of replays; outputs checked against SDPA over the gathered K/V
 where B x ctx <= 1M) and bench/context_attention.py's (D 128, Q 16, group 4, 32-token pages).
 After the source variants (paged, then context), launch-shape variants of the working tree's
 paged kernel run on the same inputs (`SHAPE_VARIANTS`: other tiles, a forced split count), each
-next to the default.
+next to the default (`--part shapes`: only those). `--cache` keeps the cases of one cache dtype.
 Writes DIR/kernel_variants.{json,md} after every case.
 """
 
