@@ -60,12 +60,11 @@ CONTEXT_CASES = [
     ("fp8", 4, 256, 2048),
 ]
 # (name, cache, q_len, B, ctx, tiles or None for the default, num_splits or None for the plan)
-SHAPE_VARIANTS = [
-    ("q16 in one 64-row tile (before)", "bf16", 16, 32, 8192, TileConfig(16, 64, 64, 4, 3), None),
-    ("q16 in one 64-row tile (before)", "bf16", 16, 128, 2048, TileConfig(16, 64, 64, 4, 3), None),
-    ("q16 in one 64-row tile (before)", "bf16", 16, 32, 32768, TileConfig(16, 64, 64, 4, 3), None),
-    ("q16 in one 64-row tile (before)", "fp8", 16, 32, 8192, TileConfig(16, 64, 128, 4, 2), None),
-    ("q16 in one 64-row tile (before)", "fp8", 16, 128, 2048, TileConfig(16, 64, 128, 4, 2), None),
+SHAPE_VARIANTS = [  # earlier sets are in bench/results/kernel_variants_*.json
+    ("prefill 256 x 32 (no spills)", "bf16", 8192, 1, 8192, TileConfig(64, 256, 32, 8, 3), None),
+    ("prefill 256 x 64, 16 warps", "bf16", 8192, 1, 8192, TileConfig(64, 256, 64, 16, 3), None),
+    ("prefill 256 x 32 (no spills)", "fp8", 8192, 1, 8192, TileConfig(64, 256, 32, 8, 3), None),
+    ("prefill 256 x 64, 16 warps", "fp8", 8192, 1, 8192, TileConfig(64, 256, 64, 16, 3), None),
 ]
 
 

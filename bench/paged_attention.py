@@ -55,10 +55,11 @@ ROTATE_BYTES, MAX_SETS = 256 << 20, 32
 K_SCALE, V_SCALE = 0.5, 2.0
 # (block_n, num_warps, num_stages) tried on the representative shapes; block_m from choose_tiles
 SMALL_SWEEP = [(64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 4, 3), (128, 4, 4), (256, 4, 2), (256, 8, 2)]
-PREFILL_SWEEP = [(128, 128, 8, 3), (128, 128, 8, 2), (128, 64, 8, 3), (128, 64, 8, 2), (64, 128, 4, 3),
-                 (256, 64, 8, 2)]
+PREFILL_SWEEP = [(256, 64, 8, 3), (256, 64, 8, 2), (256, 32, 8, 3), (256, 64, 16, 3), (128, 128, 8, 3),
+                 (128, 64, 8, 3)]
 # (block_m, block_n, num_warps, num_stages); the first run's sweep (bench/results) ruled out 64-row
-# prefill tiles and 32-key tiles
+# prefill tiles and 32-key tiles of 128 rows. 256 x 32 and 16 warps: the adopted 256 x 64 tile spills
+# registers on 8 warps (bench/kernel_sass.py), these do not or less.
 
 
 class Deadline:

@@ -21,6 +21,8 @@ widen their values so.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -48,8 +50,12 @@ def fp8_cvt_asm(device: torch.device) -> bool:
     """Whether `widen_values` may use the e4m3 -> f16x2 conversion instruction (sm_89 and later)."""
     if device.type != "cuda":
         return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return torch.cuda.get_device_capability(index) >= (8, 9)
+    return _has_fp8_cvt(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _has_fp8_cvt(device_index: int) -> bool:  # asked on every launch: once per device
+    return torch.cuda.get_device_capability(device_index) >= (8, 9)
 
 
 @triton.jit
