@@ -93,6 +93,36 @@ def _attend_tile(q, k, v, valid, acc, m_i, l_i, score_scale, log2_v_scale,
     return acc, m_new, l_i
 
 
+@triton.jit
+def _context_tile(q, acc, m_i, l_i, table, k_head, v_head, n0, end,
+                  stride_kb, stride_kt, stride_vb, stride_vt, score_scale, log2_v_scale,
+                  TOKENS_PER_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+                  HAS_V_SCALE: tl.constexpr, COMPUTE: tl.constexpr, PRECISION: tl.constexpr,
+                  FP8_CVT_ASM: tl.constexpr):
+    """Context keys n0..n0+BLOCK_N-1 through the block table, folded into the running state.
+
+    MASKED drops keys at or past `end` (loads and scores); a whole tile skips both.
+    """
+    keys = n0 + tl.arange(0, BLOCK_N)
+    valid = keys < end
+    if MASKED:
+        page = tl.load(table + keys // TOKENS_PER_BLOCK, mask=valid, other=0).to(tl.int64)
+    else:
+        page = tl.load(table + keys // TOKENS_PER_BLOCK).to(tl.int64)
+    slot = keys % TOKENS_PER_BLOCK
+    k_ptrs = k_head + (page * stride_kb + slot * stride_kt)[:, None]
+    v_ptrs = v_head + (page * stride_vb + slot * stride_vt)[:, None]
+    if MASKED:
+        k = tl.load(k_ptrs, mask=valid[:, None], other=0.0)
+        v = tl.load(v_ptrs, mask=valid[:, None], other=0.0)
+    else:
+        k = tl.load(k_ptrs)
+        v = tl.load(v_ptrs)
+    v = operands.widen_values(v, COMPUTE, FP8_CVT_ASM)
+    return _attend_tile(q, k.to(COMPUTE), v, valid, acc, m_i, l_i, score_scale, log2_v_scale, MASKED,
+                        HAS_V_SCALE, COMPUTE, PRECISION)
+
+
 @triton.jit(do_not_specialize=["max_splits"])
 def _context_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, ctx_lens_ptr, k_noise_ptr, v_noise_ptr,
@@ -166,24 +196,15 @@ def _context_attention_kernel(
     if not SPLIT:
         full_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
     for n0 in range(start, full_end, BLOCK_N):
-        keys = n0 + tl.arange(0, BLOCK_N)
-        page = tl.load(table + keys // TOKENS_PER_BLOCK).to(tl.int64)
-        slot = keys % TOKENS_PER_BLOCK
-        k = tl.load(k_head + (page * stride_kb + slot * stride_kt)[:, None])
-        v = tl.load(v_head + (page * stride_vb + slot * stride_vt)[:, None])
-        v = operands.widen_values(v, COMPUTE, FP8_CVT_ASM)
-        acc, m_i, l_i = _attend_tile(q, k.to(COMPUTE), v, keys < end, acc, m_i, l_i, ctx_scale,
-                                     log2_v_scale, False, V_SCALE_MODE != 0, COMPUTE, PRECISION)
+        acc, m_i, l_i = _context_tile(
+            q, acc, m_i, l_i, table, k_head, v_head, n0, end, stride_kb, stride_kt, stride_vb, stride_vt,
+            ctx_scale, log2_v_scale, TOKENS_PER_BLOCK, BLOCK_N, False, V_SCALE_MODE != 0, COMPUTE, PRECISION,
+            FP8_CVT_ASM)
     for n0 in range(full_end, end, BLOCK_N):
-        keys = n0 + tl.arange(0, BLOCK_N)
-        valid = keys < end
-        page = tl.load(table + keys // TOKENS_PER_BLOCK, mask=valid, other=0).to(tl.int64)
-        slot = keys % TOKENS_PER_BLOCK
-        k = tl.load(k_head + (page * stride_kb + slot * stride_kt)[:, None], mask=valid[:, None], other=0.0)
-        v = tl.load(v_head + (page * stride_vb + slot * stride_vt)[:, None], mask=valid[:, None], other=0.0)
-        v = operands.widen_values(v, COMPUTE, FP8_CVT_ASM)
-        acc, m_i, l_i = _attend_tile(q, k.to(COMPUTE), v, valid, acc, m_i, l_i, ctx_scale,
-                                     log2_v_scale, True, V_SCALE_MODE != 0, COMPUTE, PRECISION)
+        acc, m_i, l_i = _context_tile(
+            q, acc, m_i, l_i, table, k_head, v_head, n0, end, stride_kb, stride_kt, stride_vb, stride_vt,
+            ctx_scale, log2_v_scale, TOKENS_PER_BLOCK, BLOCK_N, True, V_SCALE_MODE != 0, COMPUTE, PRECISION,
+            FP8_CVT_ASM)
 
     pdl.allow_next_grid(USE_PDL)  # the context is read: the merge may be scheduled
     # noise suffix: all Q dense keys, folded once per request and head (by split 0)
