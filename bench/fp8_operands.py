@@ -20,6 +20,7 @@ import json
 import logging
 import os
 from pathlib import Path
+from unittest import mock
 
 import context_attention as cab  # bench/ is sys.path[0]
 import paged_attention as pab
@@ -30,17 +31,13 @@ from kernels import operands
 from kernels.paged_attention import choose_tiles
 
 log = logging.getLogger("bench.fp8_operands")
-DEFAULT = operands.FP8_WIDEN_DTYPE
 VARIANTS = {"bf16 operands": None, "fp16 operands": torch.float16}
 
 
 def widened_to(dtype, measure):
     """measure() with fp8 caches widened to `dtype` (None: q's dtype), then the default again."""
-    operands.FP8_WIDEN_DTYPE = dtype
-    try:
+    with mock.patch.object(operands, "FP8_WIDEN_DTYPE", dtype):
         return measure()
-    finally:
-        operands.FP8_WIDEN_DTYPE = DEFAULT
 
 
 CASES = [(q, b, c) for q in (1, 8, 16) for b in (1, 8, 32, 128) for c in (2048, 8192)] + [(8192, 1, 8192)]

@@ -33,6 +33,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 import context_attention as cab  # bench/ is sys.path[0]
 import paged_attention as pab
@@ -102,21 +103,18 @@ class _OlderSignature:
         return call
 
 
-@contextlib.contextmanager
-def swapped_in(modules: dict):
-    """The variant's kernels in the working tree's launchers, restored afterwards."""
-    saved = (pa._paged_attention_kernel, ca._context_attention_kernel, ca._context_merge_kernel)
+def swapped_in(modules: dict) -> contextlib.ExitStack:
+    """The variant's kernels in the working tree's launchers, restored when the block exits."""
+    stack = contextlib.ExitStack()
     if "paged_attention_kernel" in modules:
         paged = modules["paged_attention_kernel"]
-        pa._paged_attention_kernel = _OlderSignature(paged._paged_attention_kernel)
+        stack.enter_context(mock.patch.object(pa, "_paged_attention_kernel",
+                                              _OlderSignature(paged._paged_attention_kernel)))
     if "context_attention" in modules:
         context = modules["context_attention"]
-        ca._context_attention_kernel = _OlderSignature(context._context_attention_kernel)
-        ca._context_merge_kernel = _OlderSignature(context._context_merge_kernel)
-    try:
-        yield
-    finally:
-        pa._paged_attention_kernel, ca._context_attention_kernel, ca._context_merge_kernel = saved
+        for name in ("_context_attention_kernel", "_context_merge_kernel"):
+            stack.enter_context(mock.patch.object(ca, name, _OlderSignature(getattr(context, name))))
+    return stack
 
 
 def paged_rate(rec, ceil) -> float:

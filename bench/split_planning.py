@@ -23,6 +23,7 @@ import json
 import logging
 import os
 from pathlib import Path
+from unittest import mock
 
 import context_attention as cab  # bench/ is sys.path[0]
 import paged_attention as pab
@@ -45,11 +46,8 @@ def earlier_rule(num_items, device, num_splits=None):
 
 
 def with_rule(rule, measure):
-    split_kv.plan_max_splits = rule
-    try:
+    with mock.patch.object(split_kv, "plan_max_splits", rule):
         return measure()
-    finally:
-        split_kv.plan_max_splits = current_rule
 
 
 def context_rows(device, gen) -> list[dict]:

@@ -76,14 +76,14 @@ def choose_tiles(num_tokens: int, num_seqs: int, group: int, head_dim: int, devi
     batch then pays idle rows for its decodes, not extra K/V bytes.
     """
     on_gpu = device.type == "cuda"
+    wide_operands = max(cache_dtype.itemsize, q_dtype.itemsize) > 2  # 32-bit: shared memory runs short
     mean_q = triton.cdiv(num_tokens, max(num_seqs, 1))
     if mean_q <= MAX_VERIFY_QUERIES:
         regime = "decode" if mean_q == 1 else "verify"
         block_q = max(triton.next_power_of_2(mean_q), 16 // group if group < 16 else 1)
     else:
         regime = "prefill"
-        wide = head_dim > 128 or max(cache_dtype.itemsize, q_dtype.itemsize) > 2
-        rows = PREFILL_ROWS // 2 if wide or not on_gpu else PREFILL_ROWS
+        rows = PREFILL_ROWS // 2 if wide_operands or head_dim > 128 or not on_gpu else PREFILL_ROWS
         block_q = max(1, rows // group)
     block_m = max(16, triton.next_power_of_2(block_q * group))
     if not on_gpu:
@@ -96,7 +96,7 @@ def choose_tiles(num_tokens: int, num_seqs: int, group: int, head_dim: int, devi
     # fewer of them so the pipelined stages still fit in shared memory.
     while block_n > 16 and block_n * head_dim * cache_dtype.itemsize > MAX_KEY_TILE_BYTES:
         block_n //= 2
-    if max(cache_dtype.itemsize, q_dtype.itemsize) > 2:
+    if wide_operands:
         num_stages = min(num_stages, 2)
     return TileConfig(block_q, block_m, block_n, num_warps, num_stages)
 
