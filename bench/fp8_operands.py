@@ -1,14 +1,16 @@
-"""fp8 cache, MMA operand dtype side by side: K/V widened to bf16 (q's dtype) or to fp16.
+"""fp8 cache, MMA operands side by side: the score dot in fp16 (keys widened) or in e4m3 (q in two terms).
 
     PYTHONPATH=. python bench/fp8_operands.py --out DIR [--commit HASH] [--part paged|context|both]
 
-An fp8 (e4m3) cache read by the paged kernel is widened for the tensor-core dots. Widening to q's
-bf16 measured as slow as reading a bf16 cache (bench/results/paged_attention_notes.md); fp16 holds
-every e4m3 value exactly and sm_90 widens a pair of them in one instruction.
-`kernels.operands.FP8_WIDEN_DTYPE` (read at launch) picks: None = q's dtype, or fp16. Both run
-here on the same inputs, under CUDA graphs, through bench/paged_attention.py's run_case (Qwen3-8B
-geometry, 16-token pages shuffled), which also checks each output against SDPA over the gathered,
-dequantised K/V. Writes DIR/fp8_operands.{json,md}.
+An fp8 (e4m3) cache read by the attention kernels is widened to fp16 for the tensor-core dots
+(`kernels.operands`; widening to q's bf16 instead measured 6-22% slower, bench/results/
+fp8_operands*.md of commit 3dce86e and earlier). With `kernels.operands.FP8_QUERIES` the score dot
+of 64+-row tiles runs in e4m3 on the stored keys, q split into two e4m3 terms. Both run here on
+the same inputs, under CUDA graphs: the paged kernel through bench/paged_attention.py's run_case
+(Qwen3-8B geometry, 16-token pages shuffled, each output checked against SDPA over the gathered,
+dequantised K/V) for the cases with 64+-row tiles (q_len 16, prefill), the context kernel through
+bench/context_attention.py (each output checked against the torch reference). Writes
+DIR/fp8_operands.{json,md}.
 """
 
 from __future__ import annotations
@@ -27,28 +29,30 @@ import paged_attention as pab
 import torch
 import triton
 
+import kernels
 from kernels import operands
 from kernels.paged_attention import choose_tiles
 
 log = logging.getLogger("bench.fp8_operands")
-VARIANTS = {"bf16 operands": None, "fp16 operands": torch.float16}
+VARIANTS = {"fp16 scores": False, "e4m3 scores": True}  # kernels.operands.FP8_QUERIES
+BASE, NEW = VARIANTS
 
 
-def widened_to(dtype, measure):
-    """measure() with fp8 caches widened to `dtype` (None: q's dtype), then the default again."""
-    with mock.patch.object(operands, "FP8_WIDEN_DTYPE", dtype):
+def switched(fp8_queries: bool, measure):
+    """measure() with `kernels.operands.FP8_QUERIES` set, then the default again."""
+    with mock.patch.object(operands, "FP8_QUERIES", fp8_queries):
         return measure()
 
 
-CASES = [(q, b, c) for q in (1, 8, 16) for b in (1, 8, 32, 128) for c in (2048, 8192)] + [(8192, 1, 8192)]
+CASES = [(16, b, c) for b in (1, 8, 32, 128, 256) for c in (2048, 8192)] + [(8192, 1, 8192)]
 
 
 def measure(geo, pool, batch, ctx, q_len, device) -> dict:
     group = geo["heads"] // geo["kv_heads"]
     tiles = choose_tiles(batch * q_len, batch, group, geo["head_dim"], device, torch.float8_e4m3fn)
     row = {"batch": batch, "ctx": ctx, "q_len": q_len}
-    for name, dot in VARIANTS.items():
-        rec = widened_to(dot, lambda: pab.run_case(geo, pool, "fp8", batch, ctx, q_len, tiles, device, {},
+    for name, switch in VARIANTS.items():
+        rec = switched(switch, lambda: pab.run_case(geo, pool, "fp8", batch, ctx, q_len, tiles, device, {},
                                                    check=batch * ctx <= (1 << 20), baseline=False))
         row[name] = {"us": rec["seconds"] * 1e6, "rel_err_vs_sdpa": rec.get("rel_err_vs_sdpa")}
         row["bytes"], row["flops"] = rec["bytes"], rec["flops"]
@@ -58,11 +62,20 @@ def measure(geo, pool, batch, ctx, q_len, device) -> dict:
 CONTEXT_CASES = [(nkv, b, c) for nkv in (4, 8) for b, c in ((1, 8192), (16, 8192), (64, 8192), (256, 2048))]
 
 
+def context_error(case) -> float:
+    """Relative L2 error of one output against the torch reference (fp32 math on the same inputs)."""
+    got = kernels.paged_context_attention(**case, **cab.scales("fp8"))
+    want = kernels.paged_context_attention(**case, **cab.scales("fp8"), backend="torch")
+    return cab.relative_error(got, want)
+
+
 def measure_context(device, gen, nkv, batch, ctx) -> dict:
     sets, kv_bytes = cab.make_sets(batch, ctx, nkv, "fp8", device, gen)
     row = {"nkv": nkv, "batch": batch, "ctx": ctx, "kv_bytes": kv_bytes}
-    for name, dot in VARIANTS.items():
-        row[name] = widened_to(dot, functools.partial(cab.time_ours, sets, "fp8"))
+    for name, switch in VARIANTS.items():
+        row[name] = switched(switch, functools.partial(cab.time_ours, sets, "fp8"))
+        if batch * ctx <= (1 << 20):
+            row[f"{name} rel_err"] = switched(switch, functools.partial(context_error, sets[0]))
     del sets
     torch.cuda.empty_cache()
     return row
@@ -70,7 +83,7 @@ def measure_context(device, gen, nkv, batch, ctx) -> dict:
 
 def markdown(result) -> str:
     ceil = result["ceilings"]
-    lines = [f"# fp8 cache: bf16 or fp16 MMA operands, side by side ({result['device']})", "",
+    lines = [f"# fp8 cache: score dot in fp16 or in e4m3, side by side ({result['device']})", "",
              f"commit `{result['commit']}`, {result['date']}, torch {result['torch']}, "
              f"triton {result['triton']}. Command: `{result['command']}`. Ceilings measured here: copy "
              f"{ceil['copy_bytes_per_s'] / 1e12:.2f} TB/s, bf16 matmul "
@@ -78,30 +91,33 @@ def markdown(result) -> str:
              "us per call under CUDA graphs (inputs rotated past L2), same inputs for both columns; in "
              "brackets the relative L2 error against SDPA over the gathered, dequantised K/V where "
              "checked. "
-             "The last column rates the fp16 time: % of copy bandwidth (decode, verify) or of the bf16 "
+             f"The last column rates the {NEW} time: % of copy bandwidth (verify) or of the bf16 "
              "matmul rate (the prefill row).", "",
-             "| q_len | B | ctx | " + " | ".join(VARIANTS) + " | fp16 / bf16 time | fp16 rate |",
+             "| q_len | B | ctx | " + " | ".join(VARIANTS) + f" | {NEW} / {BASE} time | {NEW} rate |",
              "|" + "---|" * (5 + len(VARIANTS))]
     for r in result["rows"]:  # paged
         cells = []
         for name in VARIANTS:
             err = r[name]["rel_err_vs_sdpa"]
             cells.append(f"{r[name]['us']:.1f}" + (f" ({err:.1e})" if err is not None else ""))
-        fast = r["fp16 operands"]["us"] * 1e-6
+        fast = r[NEW]["us"] * 1e-6
         rate = (r["flops"] / fast / ceil["matmul_flop_per_s"] if r["q_len"] > 16
                 else r["bytes"] / fast / ceil["copy_bytes_per_s"])
         lines.append(f"| {r['q_len']} | {r['batch']} | {r['ctx']} | " + " | ".join(cells)
-                     + f" | {r['fp16 operands']['us'] / r['bf16 operands']['us']:.2f} | {100 * rate:.0f}% |")
+                     + f" | {r[NEW]['us'] / r[BASE]['us']:.2f} | {100 * rate:.0f}% |")
     if result.get("context"):
         lines += ["", "## Context kernel (fp8 context, D 128, Q 16, group 4), us per call", "",
-                  "| NKV | B | ctx | " + " | ".join(VARIANTS) + " | fp16 / bf16 time | fp16, % of copy |",
+                  "In brackets the relative L2 error against the torch reference where checked.", "",
+                  "| NKV | B | ctx | " + " | ".join(VARIANTS)
+                  + f" | {NEW} / {BASE} time | {NEW}, % of copy |",
                   "|" + "---|" * (5 + len(VARIANTS))]
         for r in result["context"]:
-            fast = r["fp16 operands"]
+            fast = r[NEW]
             pct = 100 * r["kv_bytes"] / (fast * 1e-6) / ceil["copy_bytes_per_s"]
-            lines.append(f"| {r['nkv']} | {r['batch']} | {r['ctx']} | "
-                         + " | ".join(f"{r[name]:.1f}" for name in VARIANTS)
-                         + f" | {fast / r['bf16 operands']:.2f} | {pct:.0f}% |")
+            cells = [f"{r[name]:.1f}" + (f" ({r[name + ' rel_err']:.1e})" if name + " rel_err" in r else "")
+                     for name in VARIANTS]
+            lines.append(f"| {r['nkv']} | {r['batch']} | {r['ctx']} | " + " | ".join(cells)
+                         + f" | {fast / r[BASE]:.2f} | {pct:.0f}% |")
     return "\n".join(lines) + "\n"
 
 

@@ -60,7 +60,7 @@ def paged_build(args):
                       BLOCK_N=block_n, TOKENS_PER_BLOCK=16, SCALES_ON_DEVICE=fp8, SPLIT=args.split,
                       FUSED_MERGE=False, MERGE_CHUNK=4, DOT_DTYPE=tl.float16 if fp8 else tl.bfloat16,
                       USE_PDL=True, SEQ_SEARCH=1 if block_q * 4 <= 16 else 64, NARROW_Q=fp8,
-                      FP8_CVT_ASM=args.cvt_asm)
+                      FP8_CVT_ASM=args.cvt_asm, FP8_Q=fp8 and args.fp8_q)
     return "kernels/paged_attention_kernel.py", "_paged_attention_kernel", pointers, constexprs
 
 
@@ -74,7 +74,7 @@ def context_build(args):
                       BLOCK_N=args.tile[2], SPLIT=args.split, K_SCALE_MODE=1 if fp8 else 0,
                       V_SCALE_MODE=1 if fp8 else 0, COMPUTE=tl.float16 if fp8 else tl.bfloat16,
                       NOISE_COMPUTE=tl.bfloat16, NARROW_Q=fp8, PRECISION="tf32", USE_PDL=True,
-                      FP8_CVT_ASM=args.cvt_asm)
+                      FP8_CVT_ASM=args.cvt_asm, FP8_Q=fp8 and args.fp8_q)
     # the head-dim strides are 1, which Triton's launcher specialises as constants
     constexprs.update({f"stride_{t}d": 1 for t in ("q", "k", "v", "nk", "nv", "o")})
     return "kernels/context_attention.py", "_context_attention_kernel", pointers, constexprs
@@ -117,6 +117,8 @@ def main() -> None:
     parser.add_argument("--split", action="store_true", help="the split-KV variant")
     parser.add_argument("--no-cvt-asm", dest="cvt_asm", action="store_false",
                         help="widen fp8 values with a plain cast (what Triton does without kernels.operands)")
+    parser.add_argument("--fp8-q", action="store_true",
+                        help="fp8 cache: e4m3 score dot (kernels.operands.FP8_QUERIES)")
     parser.add_argument("--source", type=Path, help="another version of the kernel file")
     parser.add_argument("--keep", type=Path, help="write TTGIR, PTX and SASS here")
     parser.add_argument("--top", type=int, default=30, help="opcodes to print (0: all)")

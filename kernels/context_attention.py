@@ -21,6 +21,7 @@ probabilities of the context values (the noise keys and values are not scaled).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import triton
@@ -67,38 +68,43 @@ def default_config(rows_pad: int, cache_dtype: torch.dtype, device: torch.device
 
 
 @triton.jit
-def _attend_tile(q, k, v, valid, acc, m_i, l_i, score_scale, log2_v_scale,
+def _attend_tile(q, q_lo, k, v, valid, acc, m_i, l_i, score_scale, log2_v_scale,
                  MASKED: tl.constexpr, HAS_V_SCALE: tl.constexpr, COMPUTE: tl.constexpr,
-                 PRECISION: tl.constexpr):
+                 PRECISION: tl.constexpr, FP8_Q: tl.constexpr):
     """One online-softmax step over a K/V tile; q [ROWS, D], k / v [N, D] in COMPUTE.
 
-    Scores in log2 units are ``q.k * score_scale``: the running max is kept scaled while the raw
-    scores are scaled inside the exponent (one FMA per score; score_scale > 0 keeps the max).
+    FP8_Q: q and q_lo are q's two e4m3 terms and k is e4m3 (`kernels.operands.quantize_rows_e4m3`,
+    the row scales inside score_scale [ROWS]). Scores in log2 units are ``q.k * score_scale``: the
+    running max is kept scaled while the raw scores are scaled inside the exponent (one FMA per
+    score; score_scale > 0 keeps the max).
     MASKED drops keys where ``valid`` [N] is false (a full tile skips the select). A V scale
     (dequantised values: sum_j p_j (v_scale v_j)) enters as ``2**log2_v_scale`` in the exponent,
     and l_i takes the unscaled sum, so no extra multiply per score.
     """
-    s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+    if FP8_Q:
+        s = tl.dot(q_lo, tl.trans(k), tl.dot(q, tl.trans(k)))
+    else:
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
     if MASKED:
         s = tl.where(valid[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1) * score_scale)  # finite: every tile holds a valid key
     alpha = tl.exp2(m_i - m_new)
     if HAS_V_SCALE:
-        p = tl.exp2(s * score_scale - (m_new - log2_v_scale)[:, None])
+        p = tl.exp2(s * score_scale[:, None] - (m_new - log2_v_scale)[:, None])
         l_i = l_i * alpha + tl.sum(p, 1) * tl.exp2(-log2_v_scale)
     else:
-        p = tl.exp2(s * score_scale - m_new[:, None])
+        p = tl.exp2(s * score_scale[:, None] - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
     acc = tl.dot(p.to(COMPUTE), v, acc * alpha[:, None], input_precision=PRECISION)
     return acc, m_new, l_i
 
 
 @triton.jit
-def _context_tile(q, acc, m_i, l_i, table, k_head, v_head, n0, end,
+def _context_tile(q, q_lo, acc, m_i, l_i, table, k_head, v_head, n0, end,
                   stride_kb, stride_kt, stride_vb, stride_vt, score_scale, log2_v_scale,
                   TOKENS_PER_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
                   HAS_V_SCALE: tl.constexpr, COMPUTE: tl.constexpr, PRECISION: tl.constexpr,
-                  FP8_CVT_ASM: tl.constexpr):
+                  FP8_CVT_ASM: tl.constexpr, FP8_Q: tl.constexpr):
     """Context keys n0..n0+BLOCK_N-1 through the block table, folded into the running state.
 
     MASKED drops keys at or past `end` (loads and scores); a whole tile skips both.
@@ -119,8 +125,8 @@ def _context_tile(q, acc, m_i, l_i, table, k_head, v_head, n0, end,
         k = tl.load(k_ptrs)
         v = tl.load(v_ptrs)
     v = operands.widen_values(v, COMPUTE, FP8_CVT_ASM)
-    return _attend_tile(q, k.to(COMPUTE), v, valid, acc, m_i, l_i, score_scale, log2_v_scale, MASKED,
-                        HAS_V_SCALE, COMPUTE, PRECISION)
+    return _attend_tile(q, q_lo, k.to(q.dtype), v, valid, acc, m_i, l_i, score_scale, log2_v_scale, MASKED,
+                        HAS_V_SCALE, COMPUTE, PRECISION, FP8_Q)
 
 
 @triton.jit(do_not_specialize=["max_splits"])
@@ -140,7 +146,7 @@ def _context_attention_kernel(
     ROWS: tl.constexpr, NOISE_PAD: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
     K_SCALE_MODE: tl.constexpr, V_SCALE_MODE: tl.constexpr,
     COMPUTE: tl.constexpr, NOISE_COMPUTE: tl.constexpr, NARROW_Q: tl.constexpr, PRECISION: tl.constexpr,
-    USE_PDL: tl.constexpr, FP8_CVT_ASM: tl.constexpr,
+    USE_PDL: tl.constexpr, FP8_CVT_ASM: tl.constexpr, FP8_Q: tl.constexpr,
 ):
     kvh = tl.program_id(0)
     b = tl.program_id(1)
@@ -167,19 +173,24 @@ def _context_attention_kernel(
     q_offs = (b64 * stride_qb + qpos[:, None] * stride_qq + heads[:, None] * stride_qh
               + dims[None, :] * stride_qd)
     q = tl.load(q_ptr + q_offs, mask=(row_mask & active)[:, None], other=0.0).to(tl.float32)
-    if NARROW_Q:  # q's dtype outranges COMPUTE (bf16 -> fp16)
-        q, q_shift = operands.fp16_range_shift(q)
-    q = q.to(COMPUTE)
     acc = tl.zeros([ROWS, HEAD_DIM], dtype=tl.float32)
     m_i = tl.full([ROWS], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([ROWS], dtype=tl.float32)
 
+    noise_scale = tl.zeros([ROWS], dtype=tl.float32) + sm_scale_log2  # per row, as the context's
     if K_SCALE_MODE == 2:
-        ctx_scale = sm_scale_log2 * tl.load(k_scale).to(tl.float32)
+        ctx_scale = noise_scale * tl.load(k_scale).to(tl.float32)
     else:
-        ctx_scale = sm_scale_log2 * k_scale
-    if NARROW_Q:
-        ctx_scale = ctx_scale * tl.exp2(q_shift)
+        ctx_scale = noise_scale * k_scale
+    if FP8_Q:  # e4m3 context scores: each row's quantisation scale joins its score scale
+        q, q_lo, q_row_scale = operands.quantize_rows_e4m3(q)
+        ctx_scale = ctx_scale * q_row_scale
+    else:
+        if NARROW_Q:  # q's dtype outranges COMPUTE (bf16 -> fp16)
+            q, q_shift = operands.fp16_range_shift(q)
+            ctx_scale = ctx_scale * tl.exp2(q_shift)
+        q = q.to(COMPUTE)
+        q_lo = q  # unused
     if V_SCALE_MODE == 2:
         log2_v_scale = tl.log2(tl.load(v_scale).to(tl.float32))
     else:
@@ -197,19 +208,19 @@ def _context_attention_kernel(
         full_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
     for n0 in range(start, full_end, BLOCK_N):
         acc, m_i, l_i = _context_tile(
-            q, acc, m_i, l_i, table, k_head, v_head, n0, end, stride_kb, stride_kt, stride_vb, stride_vt,
-            ctx_scale, log2_v_scale, TOKENS_PER_BLOCK, BLOCK_N, False, V_SCALE_MODE != 0, COMPUTE, PRECISION,
-            FP8_CVT_ASM)
+            q, q_lo, acc, m_i, l_i, table, k_head, v_head, n0, end, stride_kb, stride_kt, stride_vb,
+            stride_vt, ctx_scale, log2_v_scale, TOKENS_PER_BLOCK, BLOCK_N, False, V_SCALE_MODE != 0, COMPUTE,
+            PRECISION, FP8_CVT_ASM, FP8_Q)
     for n0 in range(full_end, end, BLOCK_N):
         acc, m_i, l_i = _context_tile(
-            q, acc, m_i, l_i, table, k_head, v_head, n0, end, stride_kb, stride_kt, stride_vb, stride_vt,
-            ctx_scale, log2_v_scale, TOKENS_PER_BLOCK, BLOCK_N, True, V_SCALE_MODE != 0, COMPUTE, PRECISION,
-            FP8_CVT_ASM)
+            q, q_lo, acc, m_i, l_i, table, k_head, v_head, n0, end, stride_kb, stride_kt, stride_vb,
+            stride_vt, ctx_scale, log2_v_scale, TOKENS_PER_BLOCK, BLOCK_N, True, V_SCALE_MODE != 0, COMPUTE,
+            PRECISION, FP8_CVT_ASM, FP8_Q)
 
     pdl.allow_next_grid(USE_PDL)  # the context is read: the merge may be scheduled
     # noise suffix: all Q dense keys, folded once per request and head (by split 0)
     if split == 0:
-        if NARROW_Q:  # the noise keys are q's dtype, unshifted: q again, in that dtype
+        if NARROW_Q or FP8_Q:  # the noise keys are q's dtype, unscaled: q again, in that dtype
             qn = tl.load(q_ptr + q_offs, mask=(row_mask & active)[:, None], other=0.0).to(NOISE_COMPUTE)
         else:
             qn = q
@@ -219,8 +230,8 @@ def _context_attention_kernel(
                      + dims[None, :] * stride_nkd, mask=j_mask[:, None], other=0.0)
         vn = tl.load(v_noise_ptr + b64 * stride_nvb + js[:, None] * stride_nvq + kvh * stride_nvh
                      + dims[None, :] * stride_nvd, mask=j_mask[:, None], other=0.0)
-        acc, m_i, l_i = _attend_tile(qn, kn.to(NOISE_COMPUTE), vn.to(NOISE_COMPUTE), j_mask, acc, m_i, l_i,
-                                     sm_scale_log2, 0.0, True, False, NOISE_COMPUTE, PRECISION)
+        acc, m_i, l_i = _attend_tile(qn, qn, kn.to(NOISE_COMPUTE), vn.to(NOISE_COMPUTE), j_mask, acc, m_i,
+                                     l_i, noise_scale, 0.0, True, False, NOISE_COMPUTE, PRECISION, False)
 
     if SPLIT:
         state, lse = finalize_state(acc, m_i, l_i)
@@ -271,18 +282,27 @@ def _context_merge_kernel(
 FP16_MAX_V_SCALE = 60000.0
 
 
-def _compute_dtypes(q: torch.Tensor, cache_dtype: torch.dtype, v_scale):
-    """(context operands, noise operands, dot precision, whether q narrows) for one launch.
+class Operands(NamedTuple):
+    """What one launch feeds its dots."""
 
-    `kernels.operands` picks the context tiles' dtype; the noise tile keeps q's. An fp32 q (or the
-    interpreter) computes everything in exact fp32.
+    context: tl.dtype  # the context tiles' MMA operands
+    noise: tl.dtype  # the noise tile's (q's dtype)
+    precision: str  # tl.dot's input_precision
+    narrow_q: bool  # q shifted into fp16's range (`operands.fp16_range_shift`)
+    fp8_q: bool  # context scores in e4m3 (`operands.quantize_rows_e4m3`)
+
+
+def _operands(q: torch.Tensor, cache_dtype: torch.dtype, v_scale, rows: int) -> Operands:
+    """`kernels.operands` picks the context tiles' dtype; the noise tile keeps q's.
+
+    An fp32 q (or the interpreter) computes everything in exact fp32.
     """
     if q.device.type != "cuda" or q.dtype == torch.float32:
-        return tl.float32, tl.float32, "ieee", False
+        return Operands(tl.float32, tl.float32, "ieee", False, False)
     big_v_scale = isinstance(v_scale, (int, float)) and v_scale > FP16_MAX_V_SCALE
     context = q.dtype if big_v_scale else operands.mma_dtype(q.dtype, cache_dtype, q.device)
-    narrows = operands.narrows_q(context, q.dtype)
-    return operands.TL_DTYPES[context], operands.TL_DTYPES[q.dtype], "tf32", narrows  # tf32: the default
+    return Operands(operands.TL_DTYPES[context], operands.TL_DTYPES[q.dtype], "tf32",  # tf32: the default
+                    operands.narrows_q(context, q.dtype), operands.quantizes_q(cache_dtype, q.device, rows))
 
 
 def _launch_context_attention(q, k_cache, v_cache, block_table, ctx_lens, k_noise, v_noise, out,
@@ -304,7 +324,7 @@ def _launch_context_attention(q, k_cache, v_cache, block_table, ctx_lens, k_nois
         part_acc = part_lse = out  # unused by the single-pass variant
     k_arg, k_mode = scale_argument(k_scale)
     v_arg, v_mode = scale_argument(v_scale)
-    compute, noise_compute, precision, narrow_q = _compute_dtypes(q, k_cache.dtype, v_scale)
+    dots = _operands(q, k_cache.dtype, v_scale, rows_pad)
     use_pdl = pdl.use_pdl(q.device)
     _context_attention_kernel[(num_kv_heads, batch, max_splits)](
         q, k_cache, v_cache, block_table, ctx_lens, k_noise, v_noise, out, part_acc, part_lse,
@@ -315,8 +335,9 @@ def _launch_context_attention(q, k_cache, v_cache, block_table, ctx_lens, k_nois
         part_lse.stride(0) if split else 0, part_lse.stride(1) if split else 0,
         GROUP=group, HEAD_DIM=head_dim, TOKENS_PER_BLOCK=tokens_per_block, ROWS=rows_pad,
         NOISE_PAD=noise_pad, BLOCK_N=config.block_n, SPLIT=split, K_SCALE_MODE=k_mode,
-        V_SCALE_MODE=v_mode, COMPUTE=compute, NOISE_COMPUTE=noise_compute, NARROW_Q=narrow_q,
-        PRECISION=precision, USE_PDL=use_pdl, FP8_CVT_ASM=operands.fp8_cvt_asm(q.device),
+        V_SCALE_MODE=v_mode, COMPUTE=dots.context, NOISE_COMPUTE=dots.noise, NARROW_Q=dots.narrow_q,
+        PRECISION=dots.precision, USE_PDL=use_pdl, FP8_CVT_ASM=operands.fp8_cvt_asm(q.device),
+        FP8_Q=dots.fp8_q,
         num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=use_pdl,
     )
     if split:

@@ -17,6 +17,14 @@ decode kernel loses 256 byte loads and 169 moves per thread; on an H200 fp8 deco
 faster, bench/results/kernel_variants_4_fp8_asm.md). Tiles of 64+ rows use the Hopper MMA, whose operands
 already pass through registers: the same shared loads and MMAs either way. Both attention kernels
 widen their values so.
+
+With `FP8_QUERIES` the score dot over an fp8 cache runs in e4m3 itself, so the key tiles reach the
+MMA as stored, without a widening: q is split per row into two e4m3 terms (`quantize_rows_e4m3`,
+the row's scale folded into its score scale) and both are dotted with the same key tile, which
+keeps q's precision (one e4m3 term alone would trade q's 8-bit mantissa for 3 bits). Two e4m3 MMAs
+cost the tensor cores what one 16-bit MMA does. Triton runs e4m3 dots natively on sm_90 only in
+the Hopper MMA (tiles of 64+ rows; smaller tiles would widen both operands to fp16 again, per an
+offline sm_90 build), so `quantizes_q` asks for 64 rows. The P V product keeps 16-bit operands.
 """
 
 from __future__ import annotations
@@ -29,6 +37,10 @@ import triton.language as tl
 
 # What an fp8 cache widens to for the MMAs (None: q's dtype). bench/fp8_operands.py switches it.
 FP8_WIDEN_DTYPE: torch.dtype | None = torch.float16
+# Whether the score dot over an fp8 cache takes q quantised to e4m3 per row (sm_89+), so the key
+# tiles enter the MMA as stored. bench/fp8_operands.py switches it.
+FP8_QUERIES: bool = False
+E4M3_MAX = tl.constexpr(448.0)  # largest finite e4m3fn
 TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 
@@ -50,7 +62,22 @@ def fp8_cvt_asm(device: torch.device) -> bool:
     """Whether `widen_values` may use the e4m3 -> f16x2 conversion instruction (sm_89 and later)."""
     if device.type != "cuda":
         return False
-    return _has_fp8_cvt(device.index if device.index is not None else torch.cuda.current_device())
+    return _has_fp8_cvt(_index(device))
+
+
+def quantizes_q(cache_dtype: torch.dtype, device: torch.device, rows: int) -> bool:
+    """Whether the score dot of `rows`-row tiles over a `cache_dtype` cache runs in e4m3."""
+    return (FP8_QUERIES and cache_dtype == torch.float8_e4m3fn and rows >= 64
+            and device.type == "cuda" and _is_hopper(_index(device)))
+
+
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+@functools.cache
+def _is_hopper(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] == 9
 
 
 @functools.cache
@@ -85,3 +112,19 @@ def fp16_range_shift(q):
     amax = tl.max(tl.max(tl.abs(q), 1), 0)
     shift = tl.maximum(tl.ceil(tl.log2(tl.maximum(amax, 1.0) / 32768.0)), 0.0)
     return q * tl.exp2(-shift), shift
+
+
+@triton.jit
+def quantize_rows_e4m3(q):
+    """(hi, lo, s): q ~ s * (hi + lo) per row in two e4m3 terms, s = max |q row| / 448.
+
+    hi is q / s rounded to e4m3 and lo the remainder rounded again, so ``dot(lo, k, dot(hi, k))``
+    is q.k / s to about 2**-8 of the row's scale (bf16-class: 6e-4 relative L2 on random rows,
+    where hi alone loses 2.6e-2). A zero row takes s = 1. Multiply each row's score scale by s.
+    """
+    amax = tl.max(tl.abs(q), 1)
+    s = tl.where(amax > 0.0, amax / E4M3_MAX, 1.0)
+    scaled = tl.minimum(tl.maximum(q / s[:, None], -E4M3_MAX), E4M3_MAX)  # rounding may touch 448
+    hi = scaled.to(tl.float8e4nv)
+    lo = (scaled - hi.to(tl.float32)).to(tl.float8e4nv)
+    return hi, lo, s

@@ -59,18 +59,21 @@ def _find_seq(QueryStartLoc, num_seqs, tile_id, BLOCK_Q: tl.constexpr, SEARCH: t
 
 @triton.jit
 def _attend_key_tile(
-    acc, m_i, l_i, q, K, V, block_row, start, end, q_pos, kv_head, qk_scale,  #
+    acc, m_i, l_i, q, q_lo, K, V, block_row, start, end, q_pos, kv_head, qk_scale,  #
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,  #
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr,  #
     TOKENS_PER_BLOCK: tl.constexpr, MASKED: tl.constexpr, DOT_DTYPE: tl.constexpr,
-    FP8_CVT_ASM: tl.constexpr,
+    FP8_CVT_ASM: tl.constexpr, FP8_Q: tl.constexpr,
 ):
     """One online-softmax step over keys start..start+BLOCK_N-1 (base 2, fp32 state).
 
-    acc [BLOCK_M, D_PAD], m_i / l_i [BLOCK_M]; q [BLOCK_M, D_PAD] in DOT_DTYPE. MASKED applies
-    causality (key <= q_pos) and the range end; unmasked tiles lie wholly below every row.
-    The running max is kept in scaled (log2) units while the raw scores are scaled inside the
-    exponent (one FMA per score, qk_scale > 0 keeps the max), and P V accumulates into the dot.
+    acc [BLOCK_M, D_PAD], m_i / l_i / qk_scale [BLOCK_M]; q [BLOCK_M, D_PAD] in DOT_DTYPE, or with
+    FP8_Q q and q_lo, its two e4m3 terms (`operands.quantize_rows_e4m3`, row scales inside
+    qk_scale), dotted with the fp8 keys as stored.
+    MASKED applies causality (key <= q_pos) and the range end; unmasked tiles lie wholly below
+    every row. The running max is kept in scaled (log2) units while the raw scores are scaled
+    inside the exponent (one FMA per score, qk_scale > 0 keeps the max), and P V accumulates
+    into the dot.
     """
     n = start + tl.arange(0, BLOCK_N)
     d = tl.arange(0, D_PAD)
@@ -90,7 +93,10 @@ def _attend_key_tile(
     else:
         k = tl.load(K + k_rows[None, :] + d[:, None])  # K^T tile [D_PAD, BLOCK_N]
         v = tl.load(V + v_rows[:, None] + d[None, :])  # [BLOCK_N, D_PAD]
-    s = tl.dot(q, k.to(DOT_DTYPE))  # [BLOCK_M, BLOCK_N] raw scores
+    if FP8_Q:
+        s = tl.dot(q_lo, k, tl.dot(q, k))  # [BLOCK_M, BLOCK_N] raw scores
+    else:
+        s = tl.dot(q, k.to(DOT_DTYPE))
     if MASKED:
         s = tl.where((n[None, :] <= q_pos[:, None]) & n_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
@@ -99,7 +105,7 @@ def _attend_key_tile(
     else:
         m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
         m_ref = m_new
-    p = tl.exp2(s * qk_scale - m_ref[:, None])
+    p = tl.exp2(s * qk_scale[:, None] - m_ref[:, None])
     alpha = tl.exp2(m_i - m_ref)
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = tl.dot(p.to(DOT_DTYPE), operands.widen_values(v, DOT_DTYPE, FP8_CVT_ASM), acc * alpha[:, None])
@@ -122,6 +128,7 @@ def _paged_attention_kernel(
     TOKENS_PER_BLOCK: tl.constexpr, SCALES_ON_DEVICE: tl.constexpr, SPLIT: tl.constexpr,  #
     FUSED_MERGE: tl.constexpr, MERGE_CHUNK: tl.constexpr, DOT_DTYPE: tl.constexpr,
     USE_PDL: tl.constexpr, SEQ_SEARCH: tl.constexpr, NARROW_Q: tl.constexpr, FP8_CVT_ASM: tl.constexpr,
+    FP8_Q: tl.constexpr,
 ):
     # Last tiles first: a causal chunk's later tiles see more keys, so they should not be the tail.
     tile_id = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -162,16 +169,20 @@ def _paged_attention_kernel(
     io_mask = row_ok[:, None] & d_ok[None, :]
     q = tl.load(Q + token[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
                 mask=io_mask, other=0.0).to(tl.float32)
-    if NARROW_Q:  # q's dtype outranges DOT_DTYPE (bf16 -> fp16)
-        q, q_shift = operands.fp16_range_shift(q)
-    q = q.to(DOT_DTYPE)
-
     if SCALES_ON_DEVICE:
         k_scale = tl.load(KScale).to(tl.float32)
         v_scale = tl.load(VScale).to(tl.float32)
-    qk_scale = sm_scale * k_scale * 1.4426950408889634  # fp8 dequant folded in; log2(e) for exp2
-    if NARROW_Q:
-        qk_scale = qk_scale * tl.exp2(q_shift)
+    # per row: the fp8 dequant folded in, log2(e) for exp2
+    qk_scale = tl.full([BLOCK_M], 1.4426950408889634, tl.float32) * (sm_scale * k_scale)
+    if FP8_Q:  # e4m3 scores: each row's quantisation scale joins its score scale
+        q, q_lo, q_row_scale = operands.quantize_rows_e4m3(q)
+        qk_scale = qk_scale * q_row_scale
+    else:
+        if NARROW_Q:  # q's dtype outranges DOT_DTYPE (bf16 -> fp16)
+            q, q_shift = operands.fp16_range_shift(q)
+            qk_scale = qk_scale * tl.exp2(q_shift)
+        q = q.to(DOT_DTYPE)
+        q_lo = q  # unused
     acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -182,14 +193,14 @@ def _paged_attention_kernel(
     full_end = lo + (full_end - lo) // BLOCK_N * BLOCK_N
     for start in range(lo, full_end, BLOCK_N):
         acc, m_i, l_i = _attend_key_tile(
-            acc, m_i, l_i, q, K, V, block_row, start, hi, q_pos, kv_head, qk_scale,
+            acc, m_i, l_i, q, q_lo, K, V, block_row, start, hi, q_pos, kv_head, qk_scale,
             stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-            HEAD_DIM, D_PAD, BLOCK_N, TOKENS_PER_BLOCK, False, DOT_DTYPE, FP8_CVT_ASM)
+            HEAD_DIM, D_PAD, BLOCK_N, TOKENS_PER_BLOCK, False, DOT_DTYPE, FP8_CVT_ASM, FP8_Q)
     for start in range(full_end, hi, BLOCK_N):
         acc, m_i, l_i = _attend_key_tile(
-            acc, m_i, l_i, q, K, V, block_row, start, hi, q_pos, kv_head, qk_scale,
+            acc, m_i, l_i, q, q_lo, K, V, block_row, start, hi, q_pos, kv_head, qk_scale,
             stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-            HEAD_DIM, D_PAD, BLOCK_N, TOKENS_PER_BLOCK, True, DOT_DTYPE, FP8_CVT_ASM)
+            HEAD_DIM, D_PAD, BLOCK_N, TOKENS_PER_BLOCK, True, DOT_DTYPE, FP8_CVT_ASM, FP8_Q)
 
     pdl.allow_next_grid(USE_PDL)  # the keys are read: the merge may be scheduled
     out, lse = finalize_state(acc, m_i, l_i)

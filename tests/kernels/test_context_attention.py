@@ -4,11 +4,13 @@ On CPU the Triton kernel runs under the interpreter (tests/conftest.py); the sam
 compiled on a GPU, where the `gpu` tests add bf16 / fp8 at realistic sizes and CUDA graphs.
 """
 
+from unittest import mock
+
 import pytest
 import torch
 
 import kernels
-from kernels import context_attention
+from kernels import context_attention, operands
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FP8 = torch.float8_e4m3fn
@@ -228,6 +230,26 @@ def test_gpu_fp8_context_with_queries_beyond_fp16_range(q_scale):
     scale = 1e-5 if q_scale > 1 else None
     got = run_kernel(case, scale=scale, k_scale=0.5, v_scale=2.0)
     assert_matches(got, oracle(case, scale=scale, k_scale=0.5, v_scale=2.0), torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("q_scale", "num_splits"), [(1.0, None), (1.0, 1), (2e5, 8)])
+def test_gpu_e4m3_context_scores_keep_the_accuracy_of_fp16_scores(q_scale, num_splits):
+    # 64-row tiles over an fp8 context scored in e4m3, q in two e4m3 terms: as close to float64 as
+    # the fp16 scores (q alone in e4m3 would be ~10x off); the noise keys stay in q's dtype
+    case = make_case([900, 2100, 37], 16, 4, 4, 128, 32, torch.bfloat16, FP8, seed=23, k_scale=0.5,
+                     v_scale=2.0)
+    case["q"] = (case["q"].float() * q_scale).bfloat16()
+    kwargs = dict(scale=128**-0.5 / q_scale, k_scale=0.5, v_scale=2.0)
+    want = oracle(case, **kwargs)
+    errors = {}
+    for fp8_queries in (True, False):
+        with mock.patch.object(operands, "FP8_QUERIES", fp8_queries):
+            assert operands.quantizes_q(FP8, case["q"].device, 64) == fp8_queries
+            got = run_kernel(case, num_splits=num_splits, **kwargs).cpu().double()
+        assert not got.isnan().any()
+        errors[fp8_queries] = ((got - want).norm() / want.norm()).item()
+    assert errors[True] < 5e-3 and errors[True] < 1.5 * errors[False] + 1e-3, errors
 
 
 @pytest.mark.gpu

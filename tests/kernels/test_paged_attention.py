@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import importlib
 import itertools
+from unittest import mock
 
 import pytest
 import torch
 
 import kernels
-from kernels import reference, split_kv
+from kernels import operands, reference, split_kv
 from kernels.paged_attention import choose_tiles
 
 CUDA = torch.cuda.is_available()
@@ -316,6 +317,27 @@ def test_gpu_fp8_cache_with_queries_beyond_fp16_range(q_scale):
     expected = attention_f64(**batch, scale=1e-5 if q_scale > 1 else None, k_scale=4.0, v_scale=4.0)
     out = run_kernel(batch, scale=1e-5 if q_scale > 1 else None, k_scale=4.0, v_scale=4.0)
     assert_close(out, expected, torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("q_scale", [1.0, 3e5])
+def test_gpu_e4m3_scores_keep_the_accuracy_of_fp16_scores(q_scale):
+    # verify blocks of 16 (64-row tiles) and a prefill chunk over an fp8 cache, scored in e4m3 with q
+    # in two e4m3 terms: as close to float64 as the fp16 scores (q alone in e4m3 would be ~10x off)
+    batch = make_batch([16, 16, 300], [3000, 700, 90], 32, 8, 128, dtype=torch.bfloat16, device="cuda")
+    batch["q"] = (batch["q"].float() * q_scale).bfloat16()
+    batch["k_cache"] = (batch["k_cache"].float() / 4).to(torch.float8_e4m3fn)
+    batch["v_cache"] = (batch["v_cache"].float() / 4).to(torch.float8_e4m3fn)
+    kwargs = dict(scale=128**-0.5 / q_scale, k_scale=4.0, v_scale=4.0)
+    expected = attention_f64(**batch, **kwargs)
+    errors = {}
+    for fp8_queries in (True, False):
+        with mock.patch.object(operands, "FP8_QUERIES", fp8_queries):
+            assert operands.quantizes_q(torch.float8_e4m3fn, batch["q"].device, 64) == fp8_queries
+            out = run_kernel(batch, **kwargs)
+        assert not out.isnan().any()
+        errors[fp8_queries] = ((out.double() - expected).norm() / expected.norm()).item()
+    assert errors[True] < 5e-3 and errors[True] < 1.5 * errors[False] + 1e-3, errors
 
 
 @pytest.mark.gpu
