@@ -62,10 +62,15 @@ CONTEXT_CASES = [
 ]
 # (name, cache, q_len, B, ctx, tiles or None for the default, num_splits or None for the plan)
 SHAPE_VARIANTS = [  # earlier sets are in bench/results/kernel_variants_*.json
-    ("prefill 256 x 32 (no spills)", "bf16", 8192, 1, 8192, TileConfig(64, 256, 32, 8, 3), None),
-    ("prefill 256 x 64, 16 warps", "bf16", 8192, 1, 8192, TileConfig(64, 256, 64, 16, 3), None),
-    ("prefill 256 x 32 (no spills)", "fp8", 8192, 1, 8192, TileConfig(64, 256, 32, 8, 3), None),
-    ("prefill 256 x 64, 16 warps", "fp8", 8192, 1, 8192, TileConfig(64, 256, 64, 16, 3), None),
+    # 64-row tiles run the e4m3 score dot (kernels.operands.FP8_QUERIES); 16 / 32-row tiles widen K
+    ("fp8 decode in 64-row tiles", "fp8", 1, 32, 8192, TileConfig(16, 64, 128, 4, 3), None),
+    ("fp8 decode in 64-row tiles", "fp8", 1, 128, 8192, TileConfig(16, 64, 128, 4, 3), None),
+    ("fp8 decode in 64-row tiles, 64 keys", "fp8", 1, 128, 8192, TileConfig(16, 64, 64, 4, 3), None),
+    ("fp8 q_len 8 in 64-row tiles", "fp8", 8, 32, 8192, TileConfig(16, 64, 64, 4, 3), None),
+    ("fp8 q_len 8 in 64-row tiles", "fp8", 8, 128, 2048, TileConfig(16, 64, 64, 4, 3), None),
+    ("fp8 q_len 8 in 64-row tiles, 128 keys", "fp8", 8, 128, 8192, TileConfig(16, 64, 128, 4, 3), None),
+    ("fp8 q_len 16, 128 keys", "fp8", 16, 128, 8192, TileConfig(16, 64, 128, 4, 3), None),
+    ("fp8 q_len 16, 4 stages", "fp8", 16, 128, 8192, TileConfig(16, 64, 64, 4, 4), None),
 ]
 
 
