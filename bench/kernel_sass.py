@@ -106,6 +106,15 @@ def disassemble(cubin: bytes, workdir: Path) -> str:
     return subprocess.run([str(tool), "-sass", str(path)], check=True, capture_output=True, text=True).stdout
 
 
+def registers(workdir: Path) -> str:
+    """Registers per thread of the cubin `disassemble` wrote (what bounds programs per SM)."""
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    usage = subprocess.run([str(tool), "-res-usage", str(workdir / "kernel.cubin")], check=True,
+                           capture_output=True, text=True).stdout
+    found = re.search(r"REG:(\d+)", usage)
+    return found.group(1) if found else "?"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kernel", choices=("paged", "context"), default="paged")
@@ -138,7 +147,8 @@ def main() -> None:
         (workdir / "kernel.sass").write_text(sass)
     counts = collections.Counter(OPCODE.findall(sass))
     print(f"{args.kernel} {args.cache} tile {args.tile} warps {args.warps} stages {args.stages}: "
-          f"{sum(counts.values())} instructions, {compiled.metadata.shared} B shared memory")
+          f"{sum(counts.values())} instructions, {compiled.metadata.shared} B shared memory, "
+          f"{registers(workdir)} registers per thread")
     for opcode, count in counts.most_common(args.top or None):
         print(f"{count:6d}  {opcode}")
 
