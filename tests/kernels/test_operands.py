@@ -66,3 +66,47 @@ def test_gpu_inline_asm_widening_matches_torch_on_every_e4m3_value():
         out = torch.empty(64 * 64, dtype=torch.float16, device="cuda")
         _widen_probe[(1,)](tile, out, CVT_ASM=cvt_asm, N=64)
         torch.testing.assert_close(out, expected, rtol=0, atol=0)
+
+
+def test_e4m3_scores_only_for_fp8_caches_in_hopper_mma_tiles(monkeypatch):
+    # smaller tiles (mma.sync) would widen both e4m3 operands to fp16 again: no gain, q's terms lost
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    monkeypatch.setattr(operands, "_is_hopper", lambda index: True)
+    assert operands.quantizes_q(FP8, cuda, 64) and operands.quantizes_q(FP8, cuda, 256)
+    assert not operands.quantizes_q(FP8, cuda, 32)
+    assert not operands.quantizes_q(torch.bfloat16, cuda, 64)
+    assert not operands.quantizes_q(FP8, cpu, 64)  # the interpreter has no e4m3 math
+    monkeypatch.setattr(operands, "_is_hopper", lambda index: False)
+    assert not operands.quantizes_q(FP8, cuda, 64)
+    monkeypatch.setattr(operands, "_is_hopper", lambda index: True)
+    monkeypatch.setattr(operands, "FP8_QUERIES", False)
+    assert not operands.quantizes_q(FP8, cuda, 64)
+
+
+@triton.jit
+def _quantize_probe(q_ptr, hi_ptr, lo_ptr, s_ptr, ROWS: tl.constexpr, COLS: tl.constexpr):
+    offs = tl.arange(0, ROWS)[:, None] * COLS + tl.arange(0, COLS)[None, :]
+    hi, lo, s = operands.quantize_rows_e4m3(tl.load(q_ptr + offs))
+    tl.store(hi_ptr + offs, hi)
+    tl.store(lo_ptr + offs, lo)
+    tl.store(s_ptr + tl.arange(0, ROWS), s)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_two_e4m3_terms_hold_q_to_an_eighth_bit():
+    # rows of very different scales, one all zero: s = amax / 448 per row, and s * (hi + lo) within
+    # 2**-8 of each element plus e4m3's subnormal step (2**-10 of s) of q, in float64
+    q = torch.randn(64, 128, dtype=torch.float64) * torch.logspace(-6, 6, 64, dtype=torch.float64)[:, None]
+    q[5] = 0.0
+    q = q.float().cuda()
+    hi, lo = (torch.empty(64, 128, dtype=FP8, device="cuda") for _ in range(2))
+    s = torch.empty(64, device="cuda")
+    _quantize_probe[(1,)](q, hi, lo, s, ROWS=64, COLS=128)
+    amax = q.abs().amax(1)
+    torch.testing.assert_close(s, torch.where(amax > 0, amax / 448, 1.0), rtol=1e-6, atol=0)
+    q64, s64 = q.double(), s.double()[:, None]
+    err = (s64 * (hi.double() + lo.double()) - q64).abs()
+    assert (err <= s64 * (q64.abs() / s64 * 2**-8 + 2**-10) * (1 + 1e-6)).all()
+    one_term = (s64 * hi.double() - q64).abs()
+    assert err.sum() < one_term.sum() / 8  # the second term is what buys the precision

@@ -1,10 +1,15 @@
-"""The fp8 value widening, checked in an offline sm_90 build (bench/kernel_sass.py, no GPU needed).
+"""fp8 operand paths, checked in an offline sm_90 build (bench/kernel_sass.py, no GPU needed).
 
 Without `kernels.operands.widen_values`' inline-asm step Triton reads an fp8 value tile from shared
 memory one byte at a time (`LDS.U8`) in a 16-row decode tile; with it the tile reaches the MMA through
 a 16-bit transposing ldmatrix (`LDSM.16.MT88`). Building both ways in a subprocess (the interpreter
 that the CPU tests use cannot compile) shows the step doing its job on the Triton the CI installs;
 the codegen of other Triton versions may differ, so the check runs on the pinned one only.
+
+The e4m3 score dot (`kernels.operands.FP8_QUERIES`) of a 64-row tile must reach the Hopper MMA in
+e4m3 (QGMMA, for q's two terms) with the keys as stored, so only the values are
+widened; an fp8 dot that Triton lowered by widening both operands again would keep the cost and lose
+nothing visible in the outputs.
 """
 
 from __future__ import annotations
@@ -40,3 +45,16 @@ def test_fp8_values_reach_the_mma_without_byte_wise_shared_loads(kernel_flags):
     assert widened.get("LDS.U8", 0) == 0
     assert widened.get("LDSM.16.MT88.4", 0) > plain.get("LDSM.16.MT88.4", 0)
     assert sum(widened.values()) < sum(plain.values())
+
+
+@pytest.mark.parametrize("kernel_flags", [["--kernel", "paged", "--tile", "16,64,64", "--stages", "3"],
+                                          ["--kernel", "context", "--rows", "64", "--tile", "0,0,128",
+                                           "--stages", "3"]])
+def test_e4m3_scores_take_the_stored_keys_into_the_hopper_mma(kernel_flags):
+    fp16 = opcode_counts(*kernel_flags)
+    e4m3 = opcode_counts(*kernel_flags, "--fp8-q")
+    assert fp16.get("QGMMA.64", 0) == 0
+    # each fp16 score MMA (k 16) becomes two e4m3 ones (k 32, q's two terms): as many instructions
+    assert e4m3.get("QGMMA.64", 0) == fp16["HGMMA.64"] - e4m3["HGMMA.64"] > 0
+    widen = "F2FP.F16.E4M3.UNPACK_B"
+    assert e4m3[widen] < fp16[widen]  # the key tiles are no longer widened (q's terms widen once)
