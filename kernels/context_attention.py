@@ -301,8 +301,9 @@ def _operands(q: torch.Tensor, cache_dtype: torch.dtype, v_scale, rows: int) -> 
         return Operands(tl.float32, tl.float32, "ieee", False, False)
     big_v_scale = isinstance(v_scale, (int, float)) and v_scale > FP16_MAX_V_SCALE
     context = q.dtype if big_v_scale else operands.mma_dtype(q.dtype, cache_dtype, q.device)
+    fp8_q = operands.quantizes_q(cache_dtype, q.device, rows, q.shape[-1])
     return Operands(operands.TL_DTYPES[context], operands.TL_DTYPES[q.dtype], "tf32",  # tf32: the default
-                    operands.narrows_q(context, q.dtype), operands.quantizes_q(cache_dtype, q.device, rows))
+                    operands.narrows_q(context, q.dtype), fp8_q)
 
 
 def _launch_context_attention(q, k_cache, v_cache, block_table, ctx_lens, k_noise, v_noise, out,

@@ -66,9 +66,12 @@ def fp8_cvt_asm(device: torch.device) -> bool:
     return _has_fp8_cvt(_index(device))
 
 
-def quantizes_q(cache_dtype: torch.dtype, device: torch.device, rows: int) -> bool:
-    """Whether the score dot of `rows`-row tiles over a `cache_dtype` cache runs in e4m3."""
-    return (FP8_QUERIES and cache_dtype == torch.float8_e4m3fn and rows >= 64
+def quantizes_q(cache_dtype: torch.dtype, device: torch.device, rows: int, head_dim: int) -> bool:
+    """Whether the score dot of `rows`-row tiles over a `cache_dtype` cache runs in e4m3.
+
+    The e4m3 MMA reduces 32 elements per step: a head dim of 16 keeps the fp16 dot.
+    """
+    return (FP8_QUERIES and cache_dtype == torch.float8_e4m3fn and rows >= 64 and head_dim >= 32
             and device.type == "cuda" and _is_hopper(_index(device)))
 
 

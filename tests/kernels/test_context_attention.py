@@ -245,11 +245,20 @@ def test_gpu_e4m3_context_scores_keep_the_accuracy_of_fp16_scores(q_scale, num_s
     errors = {}
     for fp8_queries in (True, False):
         with mock.patch.object(operands, "FP8_QUERIES", fp8_queries):
-            assert operands.quantizes_q(FP8, case["q"].device, 64) == fp8_queries
+            assert operands.quantizes_q(FP8, case["q"].device, 64, 128) == fp8_queries
             got = run_kernel(case, num_splits=num_splits, **kwargs).cpu().double()
         assert not got.isnan().any()
         errors[fp8_queries] = ((got - want).norm() / want.norm()).item()
     assert errors[True] < 5e-3 and errors[True] < 1.5 * errors[False] + 1e-3, errors
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [16, 32])
+def test_gpu_fp8_context_at_small_head_dims(head_dim):
+    # 64-row tiles: D 16 keeps the fp16 score dot (the e4m3 MMA steps over 32), D 32 takes the e4m3 one
+    case = make_case([700, 33], 16, 4, 2, head_dim, 16, torch.bfloat16, FP8, seed=3, k_scale=0.7, v_scale=1.5)
+    got = run_kernel(case, k_scale=0.7, v_scale=1.5)
+    assert_matches(got, oracle(case, k_scale=0.7, v_scale=1.5), torch.bfloat16)
 
 
 @pytest.mark.gpu

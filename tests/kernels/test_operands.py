@@ -72,15 +72,16 @@ def test_e4m3_scores_only_for_fp8_caches_in_hopper_mma_tiles(monkeypatch):
     # smaller tiles (mma.sync) would widen both e4m3 operands to fp16 again: no gain, q's terms lost
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
     monkeypatch.setattr(operands, "_is_hopper", lambda index: True)
-    assert operands.quantizes_q(FP8, cuda, 64) and operands.quantizes_q(FP8, cuda, 256)
-    assert not operands.quantizes_q(FP8, cuda, 32)
-    assert not operands.quantizes_q(torch.bfloat16, cuda, 64)
-    assert not operands.quantizes_q(FP8, cpu, 64)  # the interpreter has no e4m3 math
+    assert operands.quantizes_q(FP8, cuda, 64, 128) and operands.quantizes_q(FP8, cuda, 256, 64)
+    assert not operands.quantizes_q(FP8, cuda, 32, 128)
+    assert not operands.quantizes_q(FP8, cuda, 64, 16)  # the e4m3 MMA reduces 32 at a time
+    assert not operands.quantizes_q(torch.bfloat16, cuda, 64, 128)
+    assert not operands.quantizes_q(FP8, cpu, 64, 128)  # the interpreter has no e4m3 math
     monkeypatch.setattr(operands, "_is_hopper", lambda index: False)
-    assert not operands.quantizes_q(FP8, cuda, 64)
+    assert not operands.quantizes_q(FP8, cuda, 64, 128)
     monkeypatch.setattr(operands, "_is_hopper", lambda index: True)
     monkeypatch.setattr(operands, "FP8_QUERIES", False)
-    assert not operands.quantizes_q(FP8, cuda, 64)
+    assert not operands.quantizes_q(FP8, cuda, 64, 128)
 
 
 @triton.jit

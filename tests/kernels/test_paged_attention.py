@@ -333,11 +333,23 @@ def test_gpu_e4m3_scores_keep_the_accuracy_of_fp16_scores(q_scale):
     errors = {}
     for fp8_queries in (True, False):
         with mock.patch.object(operands, "FP8_QUERIES", fp8_queries):
-            assert operands.quantizes_q(torch.float8_e4m3fn, batch["q"].device, 64) == fp8_queries
+            assert operands.quantizes_q(torch.float8_e4m3fn, batch["q"].device, 64, 128) == fp8_queries
             out = run_kernel(batch, **kwargs)
         assert not out.isnan().any()
         errors[fp8_queries] = ((out.double() - expected).norm() / expected.norm()).item()
     assert errors[True] < 5e-3 and errors[True] < 1.5 * errors[False] + 1e-3, errors
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [16, 32])
+def test_gpu_fp8_cache_at_small_head_dims_in_64_row_tiles(head_dim):
+    # D 16 is below the e4m3 MMA's 32-element step: the fp16 score dot must serve it (it once failed
+    # to compile); D 32 takes the e4m3 one
+    batch = make_batch([16, 16, 200], [300, 47, 0], 16, 4, head_dim, dtype=torch.bfloat16, device="cuda")
+    batch["k_cache"] = (batch["k_cache"].float() * 2).to(torch.float8_e4m3fn)
+    batch["v_cache"] = (batch["v_cache"].float() * 2).to(torch.float8_e4m3fn)
+    expected = attention_f64(**batch, k_scale=0.5, v_scale=0.5)
+    assert_close(run_kernel(batch, k_scale=0.5, v_scale=0.5), expected, torch.bfloat16)
 
 
 @pytest.mark.gpu
