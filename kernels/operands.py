@@ -24,7 +24,8 @@ the row's scale folded into its score scale) and both are dotted with the same k
 keeps q's precision (one e4m3 term alone would trade q's 8-bit mantissa for 3 bits). Two e4m3 MMAs
 cost the tensor cores what one 16-bit MMA does. Triton runs e4m3 dots natively on sm_90 only in
 the Hopper MMA (tiles of 64+ rows; smaller tiles would widen both operands to fp16 again, per an
-offline sm_90 build), so `quantizes_q` asks for 64 rows. The P V product keeps 16-bit operands.
+offline sm_90 build), so `quantizes_q` asks for 64 rows, and for a head dim of 32+ (the e4m3
+MMA's reduction step). The P V product keeps 16-bit operands.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ import triton.language as tl
 FP8_WIDEN_DTYPE: torch.dtype | None = torch.float16
 # Whether the score dot of 64+-row tiles over an fp8 cache runs in e4m3, q in two e4m3 terms per
 # row, so the key tiles enter the Hopper MMA as stored: 8-17% faster on an H200 at equal accuracy
-# (bench/results/fp8_operands.md, commit a94d6fb). bench/fp8_operands.py switches it.
+# (bench/results/fp8_operands_scores*.md). bench/fp8_operands.py switches it.
 FP8_QUERIES: bool = True
 E4M3_MAX = tl.constexpr(448.0)  # largest finite e4m3fn
 TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
