@@ -9,9 +9,9 @@ per-byte cost and the two kernels from each other: (1) the full call under CUDA 
 0..32768 x forced split counts (ctx 0 gives the fixed cost; a forced count of 1 is the single-pass
 kernel, no merge); (2) per-kernel device time of the split kernel and of the merge (torch.profiler,
 eager, as bench/latency_ablation.py's breakdowns) at the default split count, with PDL on and off,
-next to the graph time of the same call; (3) the split path's tiles (block_n, warps, stages) at ctx
-8192. Timing and inputs are bench/context_attention.py's (graphs over rotated input sets, median
-of replays). Writes DIR/context_latency.{json,md}.
+next to the graph time of the same call; (3) the split path's launch configs (split tiles, merge
+tiles and chunk) at ctx 8192. Timing and inputs are bench/context_attention.py's (graphs over
+rotated input sets, median of replays). Writes DIR/context_latency.{json,md}.
 """
 
 from __future__ import annotations
@@ -44,7 +44,12 @@ ROWS_PAD = max(16, triton.next_power_of_2(cab.NUM_Q * cab.GROUP))
 CONTEXTS = (0, 128, 1024, 4096, 8192, 32768)
 SPLITS = (None, 1, 4, 8, 16, 32, 64)  # None: the public path's own plan (>= 128 keys per split)
 BREAKDOWN_CONTEXTS = (8192, 32768)
-CONFIGS = [ca.LaunchConfig(n, w, s) for n in (64, 128) for w in (4, 8) for s in (1, 2, 3)]
+# split-path configs at ctx 8192: the split kernel's tiles were all slower than 64 / 4 / 3 (earlier run
+# of this bench, a94d6fb); here the merge's tile and chunk (splits folded per step)
+CONFIGS = [ca.LaunchConfig(64, 4, 3), ca.LaunchConfig(64, 4, 4),
+           *(ca.LaunchConfig(64, 4, 3, merge_rows=r, merge_cols=c, merge_chunk=k)
+             for r, c, k in ((16, 16, 64), (8, 16, 32), (8, 16, 64), (16, 32, 32), (32, 16, 32),
+                             (16, 8, 64)))]
 
 
 def context_sets(ctx, device, gen):
@@ -155,14 +160,15 @@ def markdown(result) -> str:
     lines += ["", "All kernels seen: " + "; ".join(f"ctx {r['ctx']} {r['pdl']}: {r['kernels_us']}"
                                                  for r in result["breakdown"]), "",
               "## 3. Split path tiles at ctx 8192 (grid splits as planned)", "",
-              "| block_n | warps | stages | us | GB/s | note |", "|---|---|---|---|---|---|"]
+              "| block_n | warps | stages | merge rows x cols | merge chunk | us | GB/s | note |",
+              "|---|---|---|---|---|---|---|---|"]
     for r in result["tiles"]:
         c, us = r["config"], r.get("us")
         note = "default" if r["default"] else ""
         note = f"{note} {r.get('skipped', '')}".strip()
         gbps = None if us is None else r["kv_bytes"] / us / 1e3
-        lines.append(f"| {c['block_n']} | {c['num_warps']} | {c['num_stages']} | {fmt(us)} | "
-                     f"{fmt(gbps, '.0f')} | {note} |")
+        lines.append(f"| {c['block_n']} | {c['num_warps']} | {c['num_stages']} | {c['merge_rows']} x "
+                     f"{c['merge_cols']} | {c['merge_chunk']} | {fmt(us)} | {fmt(gbps, '.0f')} | {note} |")
     return "\n".join(lines) + "\n"
 
 
