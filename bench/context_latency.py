@@ -46,10 +46,11 @@ SPLITS = (None, 1, 4, 8, 16, 32, 64)  # None: the public path's own plan (>= 128
 BREAKDOWN_CONTEXTS = (8192, 32768)
 # split-path configs at ctx 8192: the split kernel's tiles were all slower than 64 / 4 / 3 (earlier run
 # of this bench, a94d6fb); here the merge's tile and chunk (splits folded per step)
-CONFIGS = [ca.LaunchConfig(64, 4, 3), ca.LaunchConfig(64, 4, 4),
+CONFIGS = [ca.LaunchConfig(64, 4, 3),
            *(ca.LaunchConfig(64, 4, 3, merge_rows=r, merge_cols=c, merge_chunk=k)
-             for r, c, k in ((16, 16, 64), (8, 16, 32), (8, 16, 64), (16, 32, 32), (32, 16, 32),
-                             (16, 8, 64)))]
+             for r, c, k in ((16, 32, 32), (16, 32, 64), (16, 64, 32), (16, 64, 64), (32, 32, 32),
+                             (16, 128, 32)))]
+TILE_CASES = [(1, 4), (1, 8), (4, 8), (16, 4)]  # (B, NKV) on the split path at ctx 8192
 
 
 def context_sets(ctx, device, gen):
@@ -99,23 +100,30 @@ def kernel_breakdown(device, gen, deadline) -> list[dict]:
 
 
 def tile_sweep(device, gen, deadline) -> list[dict]:
-    """(3) the split path at ctx 8192 with explicit tile configs (cab._configured_launch)."""
-    sets, kv_bytes = context_sets(8192, device, gen)
-    max_splits = split_kv.plan_max_splits(NKV, device)
-    min_tokens = split_kv.min_tokens_per_split(ROWS_PAD)
-    default = ca.default_config(ROWS_PAD, torch.bfloat16, device)
+    """(3) the split path at ctx 8192 with explicit launch configs (cab._configured_launch).
+
+    B 1 with NKV 4 first (this bench's case), then other split batches, for a rule that holds there too.
+    """
     rows = []
-    for config in CONFIGS:
-        row = {"config": dataclasses.asdict(config), "default": config == default, "kv_bytes": kv_bytes}
-        if deadline.passed():
-            rows.append(dict(row, skipped="time budget"))
-            continue
-        launches = [cab._configured_launch(s, DTYPE, max_splits, min_tokens, config) for s in sets]
-        try:
-            rows.append(dict(row, us=cab.time_graph(launches)))
-        except OutOfResources as err:  # raised at the first (uncaptured) launch
-            rows.append(dict(row, skipped=str(err).splitlines()[0]))
-        log.info("%s", rows[-1])
+    for batch, nkv in TILE_CASES:
+        sets, kv_bytes = cab.make_sets(batch, 8192, nkv, DTYPE, device, gen)
+        max_splits = split_kv.plan_max_splits(batch * nkv, device)
+        min_tokens = split_kv.min_tokens_per_split(ROWS_PAD)
+        default = ca.default_config(ROWS_PAD, torch.bfloat16, device)
+        for config in CONFIGS:
+            row = {"batch": batch, "nkv": nkv, "splits": max_splits, "config": dataclasses.asdict(config),
+                   "default": config == default, "kv_bytes": kv_bytes}
+            if deadline.passed():
+                rows.append(dict(row, skipped="time budget"))
+                continue
+            launches = [cab._configured_launch(s, DTYPE, max_splits, min_tokens, config) for s in sets]
+            try:
+                rows.append(dict(row, us=cab.time_graph(launches)))
+            except OutOfResources as err:  # raised at the first (uncaptured) launch
+                rows.append(dict(row, skipped=str(err).splitlines()[0]))
+            log.info("%s", rows[-1])
+        del sets
+        torch.cuda.empty_cache()
     return rows
 
 
@@ -159,16 +167,18 @@ def markdown(result) -> str:
                      f"{fmt(split, '.2f')} | {fmt(merge, '.2f')} | {fmt(gap, '.2f')} |")
     lines += ["", "All kernels seen: " + "; ".join(f"ctx {r['ctx']} {r['pdl']}: {r['kernels_us']}"
                                                  for r in result["breakdown"]), "",
-              "## 3. Split path tiles at ctx 8192 (grid splits as planned)", "",
-              "| block_n | warps | stages | merge rows x cols | merge chunk | us | GB/s | note |",
-              "|---|---|---|---|---|---|---|---|"]
+              "## 3. Split path launch configs at ctx 8192 (grid splits as planned)", "",
+              "| B | NKV | splits | block_n | warps | stages | merge rows x cols | merge chunk | us | GB/s "
+              "| note |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["tiles"]:
         c, us = r["config"], r.get("us")
         note = "default" if r["default"] else ""
         note = f"{note} {r.get('skipped', '')}".strip()
         gbps = None if us is None else r["kv_bytes"] / us / 1e3
-        lines.append(f"| {c['block_n']} | {c['num_warps']} | {c['num_stages']} | {c['merge_rows']} x "
-                     f"{c['merge_cols']} | {c['merge_chunk']} | {fmt(us)} | {fmt(gbps, '.0f')} | {note} |")
+        lines.append(f"| {r['batch']} | {r['nkv']} | {r['splits']} | {c['block_n']} | {c['num_warps']} | "
+                     f"{c['num_stages']} | {c['merge_rows']} x {c['merge_cols']} | {c['merge_chunk']} | "
+                     f"{fmt(us)} | {fmt(gbps, '.0f')} | {note} |")
     return "\n".join(lines) + "\n"
 
 
@@ -176,6 +186,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     parser.add_argument("--commit", default=os.environ.get("COMMIT", "unknown"))
+    parser.add_argument("--parts", nargs="+", choices=("sweep", "breakdown", "tiles"),
+                        default=["sweep", "breakdown", "tiles"])
     parser.add_argument("--budget-s", type=float, default=80.0,
                         help="seconds; no new case starts after this (later rows skip)")
     args = parser.parse_args()
@@ -193,6 +205,7 @@ def main() -> None:
     stages = [("sweep", lambda: split_sweep(device, gen, result["copy_bw"], deadline)),
               ("breakdown", lambda: kernel_breakdown(device, gen, deadline)),
               ("tiles", lambda: tile_sweep(device, gen, deadline))]
+    stages = [(name, stage) for name, stage in stages if name in args.parts]
     for name, stage in stages:  # write after each stage: a run cut short keeps what it measured
         result[name] = stage()
         (args.out / "context_latency.json").write_text(json.dumps(result, indent=2) + "\n")
