@@ -1,17 +1,19 @@
 """Where the context kernel's time goes at B 1, NKV 4, D 128, Q 16, group 4 (64 rows), bf16.
 
     PYTHONPATH=. python bench/context_latency.py --out DIR [--commit HASH] [--budget-s 80]
+        [--parts sweep breakdown tiles]
 
-At ctx 8192 one call (split kernel + merge) takes about 17.4 us under CUDA graphs on an H200, while
+At ctx 8192 one call (split kernel + merge) took about 17.4 us under CUDA graphs on an H200, while
 its 16.8 MB of K/V would take about 4 us at copy bandwidth, and forcing 16..64 splits does not move
 it (bench/results/context_attention_notes.md). This bench separates the fixed cost from the
 per-byte cost and the two kernels from each other: (1) the full call under CUDA graphs for ctx
 0..32768 x forced split counts (ctx 0 gives the fixed cost; a forced count of 1 is the single-pass
 kernel, no merge); (2) per-kernel device time of the split kernel and of the merge (torch.profiler,
 eager, as bench/latency_ablation.py's breakdowns) at the default split count, with PDL on and off,
-next to the graph time of the same call; (3) the split path's launch configs (split tiles, merge
-tiles and chunk) at ctx 8192. Timing and inputs are bench/context_attention.py's (graphs over
-rotated input sets, median of replays). Writes DIR/context_latency.{json,md}.
+next to the graph time of the same call; (3) the split path's launch configs (merge tiles and
+chunk, `CONFIGS`) at ctx 8192, for B 1 and a few other split batches (`TILE_CASES`). Timing and
+inputs are bench/context_attention.py's (graphs over rotated input sets, median of replays). Writes
+DIR/context_latency.{json,md}.
 """
 
 from __future__ import annotations
