@@ -60,7 +60,7 @@ def paged_build(args):
                       BLOCK_N=block_n, TOKENS_PER_BLOCK=16, SCALES_ON_DEVICE=fp8, SPLIT=args.split,
                       FUSED_MERGE=False, MERGE_CHUNK=4, DOT_DTYPE=tl.float16 if fp8 else tl.bfloat16,
                       USE_PDL=True, SEQ_SEARCH=1 if block_q * 4 <= 16 else 64, NARROW_Q=fp8,
-                      FP8_CVT_ASM=args.cvt_asm, FP8_Q=fp8 and args.fp8_q)
+                      FP8_CVT_ASM=args.cvt_asm, FP8_Q=fp8 and args.fp8_q, KEY_LANES=args.key_lanes)
     return "kernels/paged_attention_kernel.py", "_paged_attention_kernel", pointers, constexprs
 
 
@@ -106,6 +106,20 @@ def disassemble(cubin: bytes, workdir: Path) -> str:
     return subprocess.run([str(tool), "-sass", str(path)], check=True, capture_output=True, text=True).stdout
 
 
+ADDRESS = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P[0-9T]\s+)?([A-Z][A-Z0-9_.]*)(?:\s+(0x[0-9a-f]+))?")
+
+
+def first_loop(sass: str) -> collections.Counter:
+    """Opcodes of the first loop body (the first backward branch over 64+ instructions): the unmasked
+    key loop of both attention kernels, what one key tile costs each warp."""
+    code = [(int(a, 16), op, target) for a, op, target in ADDRESS.findall(sass)]
+    for address, op, target in code:
+        if op == "BRA" and target and address - int(target, 16) > 64 * 16:
+            start = int(target, 16)
+            return collections.Counter(o for a, o, _ in code if start <= a <= address)
+    return collections.Counter()
+
+
 def registers(workdir: Path) -> str:
     """Registers per thread of the cubin `disassemble` wrote (what bounds programs per SM)."""
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
@@ -128,6 +142,7 @@ def main() -> None:
                         help="widen fp8 values with a plain cast (what Triton does without kernels.operands)")
     parser.add_argument("--fp8-q", action="store_true",
                         help="fp8 cache: e4m3 score dot (kernels.operands.FP8_QUERIES)")
+    parser.add_argument("--key-lanes", type=int, default=1, help="paged kernel: softmax states per row")
     parser.add_argument("--source", type=Path, help="another version of the kernel file")
     parser.add_argument("--keep", type=Path, help="write TTGIR, PTX and SASS here")
     parser.add_argument("--top", type=int, default=30, help="opcodes to print (0: all)")
@@ -149,6 +164,9 @@ def main() -> None:
     print(f"{args.kernel} {args.cache} tile {args.tile} warps {args.warps} stages {args.stages}: "
           f"{sum(counts.values())} instructions, {compiled.metadata.shared} B shared memory, "
           f"{registers(workdir)} registers per thread")
+    loop = first_loop(sass)
+    print(f"key loop: {sum(loop.values())} instructions, {loop['BAR.SYNC.DEFER_BLOCKING']} CTA barriers, "
+          f"{sum(n for op, n in loop.items() if op.startswith(('LDL', 'STL')))} local-memory accesses")
     for opcode, count in counts.most_common(args.top or None):
         print(f"{count:6d}  {opcode}")
 

@@ -62,13 +62,17 @@ CONTEXT_CASES = [
 ]
 # (name, cache, q_len, B, ctx, tiles or None for the default, num_splits or None for the plan)
 SHAPE_VARIANTS = [  # earlier sets are in bench/results/kernel_variants_*.json
-    # fp8 decode / q_len 8 on fewer warps: fewer CTA barriers per key tile, more work per warp
-    # (bench/results/paged_attention_notes.md, fifth session); not yet timed
+    # not yet timed: decode / q_len 8 with fewer CTA barriers per key tile, from key lanes (per-warp
+    # softmax states) or fewer warps (bench/results/paged_attention_notes.md, fifth session)
+    ("fp8 decode, 4 key lanes, 64 keys", "fp8", 1, 128, 8192, TileConfig(4, 16, 64, 4, 2, 4), None),
+    ("fp8 decode, 4 key lanes, 64 keys, 3 stages", "fp8", 1, 128, 8192, TileConfig(4, 16, 64, 4, 3, 4), None),
+    ("fp8 decode, 4 key lanes", "fp8", 1, 128, 8192, TileConfig(4, 16, 128, 4, 2, 4), None),
+    ("fp8 decode, 4 key lanes, 64 keys", "fp8", 1, 32, 8192, TileConfig(4, 16, 64, 4, 2, 4), None),
+    ("fp8 q_len 8, 4 key lanes, 64 keys", "fp8", 8, 128, 8192, TileConfig(8, 32, 64, 4, 2, 4), None),
+    ("bf16 decode, 4 key lanes, 64 keys", "bf16", 1, 128, 8192, TileConfig(4, 16, 64, 4, 3, 4), None),
+    ("bf16 decode, 4 key lanes, 64 keys", "bf16", 1, 32, 2048, TileConfig(4, 16, 64, 4, 3, 4), None),
     ("fp8 decode, 2 warps", "fp8", 1, 128, 8192, TileConfig(4, 16, 128, 2, 2), None),
     ("fp8 decode, 1 warp, 64 keys", "fp8", 1, 128, 8192, TileConfig(4, 16, 64, 1, 2), None),
-    ("fp8 decode, 2 warps", "fp8", 1, 32, 8192, TileConfig(4, 16, 128, 2, 2), None),
-    ("fp8 q_len 8, 2 warps", "fp8", 8, 128, 8192, TileConfig(8, 32, 128, 2, 2), None),
-    ("bf16 decode, 2 warps", "bf16", 1, 128, 8192, TileConfig(4, 16, 128, 2, 3), None),
 ]
 
 
@@ -210,14 +214,15 @@ def markdown(result) -> str:
                      + f"{max(r['err'].values()):.1e} |")
     lines += ["", f"## Launch shapes of the paged kernel (`{NOW}`), next to its defaults", "",
               "| variant | cache | q_len | B | ctx | default us | variant us | variant / default | "
-              "variant rate | tiles (q, m, n, warps, stages) |", "|" + "---|" * 10]
+              "variant rate | tiles (q, m, n, warps, stages, key lanes) |", "|" + "---|" * 10]
     for r in result["shapes"]:
         rate = paged_rate({**r, "seconds": r["us"]["variant"] * 1e-6}, ceil)
         t = r["variant_tiles"]
         lines.append(f"| {r['name']} | {r['cache']} | {r['q_len']} | {r['batch']} | {r['ctx']} | "
                      f"{r['us']['default']:.1f} | {r['us']['variant']:.1f} | "
                      f"{r['us']['variant'] / r['us']['default']:.3f} | {rate:.0f}% | "
-                     f"{t['block_q']}, {t['block_m']}, {t['block_n']}, {t['num_warps']}, {t['num_stages']} |")
+                     f"{t['block_q']}, {t['block_m']}, {t['block_n']}, {t['num_warps']}, {t['num_stages']}, "
+                     f"{t.get('key_lanes', 1)} |")
     return "\n".join(lines) + "\n"
 
 

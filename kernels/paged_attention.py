@@ -47,13 +47,20 @@ FUSED_MERGE_ELEMENTS_PER_THREAD = 64
 
 
 class TileConfig(NamedTuple):
-    """Launch shape of one call: BLOCK_Q query positions x GROUP heads in BLOCK_M rows, BLOCK_N keys."""
+    """Launch shape of one call: BLOCK_Q query positions x GROUP heads in BLOCK_M rows, BLOCK_N keys.
+
+    key_lanes > 1 deals each key tile to that many softmax states per row (one per warp, merged at
+    the end), so row reductions stay inside warps (`paged_attention_kernel._attend_key_tile_lanes`):
+    for tiles of <= 32 rows; it builds with fewer CTA barriers per key tile (offline sm_90 build) but
+    has not been timed, so no default uses it.
+    """
 
     block_q: int
     block_m: int
     block_n: int
     num_warps: int
     num_stages: int
+    key_lanes: int = 1
 
 
 # (block_n, num_warps, num_stages) per regime and cache element size on a GPU: the winners of the
@@ -203,6 +210,16 @@ def _split_plan(num_items, num_heads, head_dim, tiles, num_splits, device) -> tu
     return max_splits, floor
 
 
+def _check_tiles(tiles: TileConfig) -> None:
+    """A caller's launch shape (benches, tests): what the kernel's tiles need, as a clear error."""
+    lanes = tiles.key_lanes
+    if lanes < 1 or lanes & (lanes - 1) or tiles.block_n % lanes or tiles.block_n // lanes < 16:
+        raise ValueError(f"key_lanes must be a power of two leaving >= 16 keys of the {tiles.block_n}-key "
+                         f"tile per lane, got {lanes}")
+    if lanes > 1 and tiles.block_m > 32:
+        raise ValueError(f"key_lanes > 1 is for tiles of <= 32 rows, got {tiles.block_m} rows")
+
+
 def _fused_merge_chunk(tiles: TileConfig, d_pad: int) -> int:
     """Splits one fused-merge step loads: a [BLOCK_M, chunk, D] fp32 block within the register budget."""
     elements = FUSED_MERGE_ELEMENTS_PER_THREAD * 32 * tiles.num_warps
@@ -220,7 +237,10 @@ def _launch_paged_attention(q, k_cache, v_cache, block_table, seq_lens, query_st
     batch = seq_lens.shape[0]
     if num_tokens == 0 or batch == 0:
         return out
-    tiles = tiles or choose_tiles(num_tokens, batch, group, head_dim, q.device, k_cache.dtype, q.dtype)
+    if tiles is None:
+        tiles = choose_tiles(num_tokens, batch, group, head_dim, q.device, k_cache.dtype, q.dtype)
+    else:
+        _check_tiles(tiles)
     num_items = max(batch, triton.cdiv(num_tokens, tiles.block_q)) * num_kv_heads
     max_splits, min_tokens = _split_plan(num_items, num_heads, head_dim, tiles, num_splits, q.device)
     split = max_splits > 1
@@ -255,6 +275,7 @@ def _launch_paged_attention(q, k_cache, v_cache, block_table, seq_lens, query_st
         SEQ_SEARCH=SEQ_SEARCH if num_tokens > batch else 1,
         NARROW_Q=operands.narrows_q(dot_dtype, q.dtype), FP8_CVT_ASM=operands.fp8_cvt_asm(q.device),
         FP8_Q=operands.quantizes_q(k_cache.dtype, q.device, tiles.block_m, d_pad),
+        KEY_LANES=tiles.key_lanes,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, launch_pdl=use_pdl,
     )
     if split and not fused:

@@ -112,6 +112,67 @@ def _attend_key_tile(
     return acc, m_new, l_i
 
 
+@triton.jit
+def _attend_key_tile_lanes(
+    acc, m_i, l_i, q, K, V, block_row, start, end, q_pos, kv_head, qk_scale,  #
+    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,  #
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, LANES: tl.constexpr,  #
+    TOKENS_PER_BLOCK: tl.constexpr, MASKED: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    FP8_CVT_ASM: tl.constexpr,
+):
+    """`_attend_key_tile` with the tile's keys dealt to LANES independent softmax states.
+
+    acc [LANES, BLOCK_M, D_PAD], m_i / l_i [LANES, BLOCK_M]; q [LANES, BLOCK_M, D_PAD] (q repeated);
+    lane j takes keys start + j * BLOCK_N / LANES onwards. The dots are batched over the lanes, which
+    Triton lays out one per warp, so every row max and row sum stays inside a warp (a 16-row tile
+    whose keys are split over warps reduces each through shared memory, with CTA barriers); the
+    lanes are merged once, after the last tile (`merge_lanes`).
+    """
+    KEYS: tl.constexpr = BLOCK_N // LANES
+    n = start + tl.arange(0, LANES)[:, None] * KEYS + tl.arange(0, KEYS)[None, :]  # [LANES, KEYS]
+    d = tl.arange(0, D_PAD)
+    d_ok = d < HEAD_DIM
+    n_ok = n < end
+    if MASKED:
+        page = tl.load(block_row + n // TOKENS_PER_BLOCK, mask=n_ok, other=0).to(tl.int64)
+    else:
+        page = tl.load(block_row + n // TOKENS_PER_BLOCK).to(tl.int64)
+    in_page = (n % TOKENS_PER_BLOCK).to(tl.int64)
+    k_rows = page * stride_kb + in_page * stride_kt + kv_head * stride_kh  # [LANES, KEYS]
+    v_rows = page * stride_vb + in_page * stride_vt + kv_head * stride_vh
+    if MASKED or D_PAD != HEAD_DIM:
+        k = tl.load(K + k_rows[:, None, :] + d[None, :, None],
+                    mask=n_ok[:, None, :] & d_ok[None, :, None], other=0.0)  # [LANES, D_PAD, KEYS]
+        v = tl.load(V + v_rows[:, :, None] + d[None, None, :],
+                    mask=n_ok[:, :, None] & d_ok[None, None, :], other=0.0)  # [LANES, KEYS, D_PAD]
+    else:
+        k = tl.load(K + k_rows[:, None, :] + d[None, :, None])
+        v = tl.load(V + v_rows[:, :, None] + d[None, None, :])
+    s = tl.dot(q, k.to(DOT_DTYPE))  # [LANES, BLOCK_M, KEYS] raw scores
+    scale = qk_scale[None, :]
+    if MASKED:
+        s = tl.where((n[:, None, :] <= q_pos[None, :, None]) & n_ok[:, None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 2) * scale)
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_new = tl.maximum(m_i, tl.max(s, 2) * scale)
+        m_ref = m_new
+    p = tl.exp2(s * scale[:, :, None] - m_ref[:, :, None])
+    alpha = tl.exp2(m_i - m_ref)
+    l_i = l_i * alpha + tl.sum(p, 2)
+    acc = tl.dot(p.to(DOT_DTYPE), operands.widen_values(v, DOT_DTYPE, FP8_CVT_ASM), acc * alpha[:, :, None])
+    return acc, m_new, l_i
+
+
+@triton.jit
+def merge_lanes(acc, m_i, l_i):
+    """Fold the lanes' states [LANES, M, D] / [LANES, M] into one (acc [M, D], m_i [M], l_i [M])."""
+    m = tl.max(m_i, 0)
+    m_ref = tl.where(m == float("-inf"), 0.0, m)  # a row no lane saw: every weight 2**-inf = 0
+    w = tl.exp2(m_i - m_ref[None, :])
+    return tl.sum(acc * w[:, :, None], 0), m, tl.sum(l_i * w, 0)
+
+
 @triton.jit(do_not_specialize=["num_seqs", "max_splits", "min_tokens_per_split"])
 def _paged_attention_kernel(
     Q, K, V, Out, PartAcc, PartLse, SplitLens, Counters,  #
@@ -128,7 +189,7 @@ def _paged_attention_kernel(
     TOKENS_PER_BLOCK: tl.constexpr, SCALES_ON_DEVICE: tl.constexpr, SPLIT: tl.constexpr,  #
     FUSED_MERGE: tl.constexpr, MERGE_CHUNK: tl.constexpr, DOT_DTYPE: tl.constexpr,
     USE_PDL: tl.constexpr, SEQ_SEARCH: tl.constexpr, NARROW_Q: tl.constexpr, FP8_CVT_ASM: tl.constexpr,
-    FP8_Q: tl.constexpr,
+    FP8_Q: tl.constexpr, KEY_LANES: tl.constexpr,
 ):
     # Last tiles first: a causal chunk's later tiles see more keys, so they should not be the tail.
     tile_id = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -183,24 +244,42 @@ def _paged_attention_kernel(
             qk_scale = qk_scale * tl.exp2(q_shift)
         q = q.to(DOT_DTYPE)
         q_lo = q  # unused
-    acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     block_row = BlockTable + seq.to(tl.int64) * stride_bt
 
     # Keys below ctx_len + tile_q0 + 1 are visible to every row of the tile: no mask needed.
     full_end = tl.maximum(tl.minimum(hi, ctx_len + tile_q0 + 1), lo)
     full_end = lo + (full_end - lo) // BLOCK_N * BLOCK_N
-    for start in range(lo, full_end, BLOCK_N):
-        acc, m_i, l_i = _attend_key_tile(
-            acc, m_i, l_i, q, q_lo, K, V, block_row, start, hi, q_pos, kv_head, qk_scale,
-            stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-            HEAD_DIM, D_PAD, BLOCK_N, TOKENS_PER_BLOCK, False, DOT_DTYPE, FP8_CVT_ASM, FP8_Q)
-    for start in range(full_end, hi, BLOCK_N):
-        acc, m_i, l_i = _attend_key_tile(
-            acc, m_i, l_i, q, q_lo, K, V, block_row, start, hi, q_pos, kv_head, qk_scale,
-            stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-            HEAD_DIM, D_PAD, BLOCK_N, TOKENS_PER_BLOCK, True, DOT_DTYPE, FP8_CVT_ASM, FP8_Q)
+    if KEY_LANES > 1:
+        tl.static_assert(not FP8_Q, "key lanes take one q term (tiles of <= 32 rows keep fp16 scores)")
+        q3 = tl.broadcast_to(q[None, :, :], (KEY_LANES, BLOCK_M, D_PAD))
+        acc3 = tl.zeros([KEY_LANES, BLOCK_M, D_PAD], dtype=tl.float32)
+        m3 = tl.full([KEY_LANES, BLOCK_M], float("-inf"), dtype=tl.float32)
+        l3 = tl.zeros([KEY_LANES, BLOCK_M], dtype=tl.float32)
+        for start in range(lo, full_end, BLOCK_N):
+            acc3, m3, l3 = _attend_key_tile_lanes(
+                acc3, m3, l3, q3, K, V, block_row, start, hi, q_pos, kv_head, qk_scale,
+                stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+                HEAD_DIM, D_PAD, BLOCK_N, KEY_LANES, TOKENS_PER_BLOCK, False, DOT_DTYPE, FP8_CVT_ASM)
+        for start in range(full_end, hi, BLOCK_N):
+            acc3, m3, l3 = _attend_key_tile_lanes(
+                acc3, m3, l3, q3, K, V, block_row, start, hi, q_pos, kv_head, qk_scale,
+                stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+                HEAD_DIM, D_PAD, BLOCK_N, KEY_LANES, TOKENS_PER_BLOCK, True, DOT_DTYPE, FP8_CVT_ASM)
+        acc, m_i, l_i = merge_lanes(acc3, m3, l3)
+    else:
+        acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        for start in range(lo, full_end, BLOCK_N):
+            acc, m_i, l_i = _attend_key_tile(
+                acc, m_i, l_i, q, q_lo, K, V, block_row, start, hi, q_pos, kv_head, qk_scale,
+                stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+                HEAD_DIM, D_PAD, BLOCK_N, TOKENS_PER_BLOCK, False, DOT_DTYPE, FP8_CVT_ASM, FP8_Q)
+        for start in range(full_end, hi, BLOCK_N):
+            acc, m_i, l_i = _attend_key_tile(
+                acc, m_i, l_i, q, q_lo, K, V, block_row, start, hi, q_pos, kv_head, qk_scale,
+                stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+                HEAD_DIM, D_PAD, BLOCK_N, TOKENS_PER_BLOCK, True, DOT_DTYPE, FP8_CVT_ASM, FP8_Q)
 
     pdl.allow_next_grid(USE_PDL)  # the keys are read: the merge may be scheduled
     out, lse = finalize_state(acc, m_i, l_i)

@@ -18,7 +18,7 @@ import torch
 
 import kernels
 from kernels import operands, reference, split_kv
-from kernels.paged_attention import choose_tiles
+from kernels.paged_attention import TileConfig, _launch_paged_attention, choose_tiles
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -258,6 +258,32 @@ def test_split_request_on_a_head_count_the_merge_cannot_take_is_rejected():
     with pytest.raises(ValueError, match="split-KV needs"):
         run_kernel(batch, num_splits=2)
     assert_close(run_kernel(batch), attention_f64(**batch), torch.float32)  # one pass still serves it
+
+
+@pytest.mark.parametrize(("block_n", "key_lanes", "num_splits"), [(32, 2, None), (64, 4, None), (64, 4, 3)])
+def test_key_lanes_fold_to_the_same_attention(block_n, key_lanes, num_splits):
+    # decode and verify rows (causal diagonal tiles, a sequence with no cached keys, lengths ending
+    # mid-tile) with each key tile dealt to independent per-row softmax states, merged at the end
+    batch = make_batch([1, 4, 1, 3, 2], [37, 50, 0, 21, 90], 8, 2, 32, dtype=torch.float32)
+    out = torch.full_like(batch["q"], float("nan"))
+    tiles = TileConfig(4, 16, block_n, 4, 1, key_lanes)
+    _launch_paged_attention(batch["q"], batch["k_cache"], batch["v_cache"], batch["block_table"],
+                            batch["seq_lens"], batch["query_start_loc"], None, None, None, num_splits, out,
+                            tiles=tiles)
+    assert_close(out, attention_f64(**batch), torch.float32)
+
+
+@pytest.mark.parametrize(("tiles", "message"), [
+    (TileConfig(4, 16, 32, 4, 1, 3), "power of two"), (TileConfig(4, 16, 32, 4, 1, 4), ">= 16 keys"),
+    (TileConfig(16, 64, 64, 4, 1, 2), "<= 32 rows")])
+def test_key_lanes_the_tile_cannot_take_are_rejected(tiles, message):
+    batch = make_batch([1, 1], [20, 5])
+    out = torch.full_like(batch["q"], float("nan"))
+    with pytest.raises(ValueError, match=message):
+        _launch_paged_attention(batch["q"], batch["k_cache"], batch["v_cache"], batch["block_table"],
+                                batch["seq_lens"], batch["query_start_loc"], None, None, None, None, out,
+                                tiles=tiles)
+    assert out.isnan().all()  # nothing launched
 
 
 # --- compiled on a GPU: realistic sizes, bf16 and fp8, CUDA graphs ---------------------------------

@@ -10,6 +10,9 @@ The e4m3 score dot (`kernels.operands.FP8_QUERIES`) of a 64-row tile must reach 
 e4m3 (QGMMA, for q's two terms) with the keys as stored, so only the values are
 widened; an fp8 dot that Triton lowered by widening both operands again would keep the cost and lose
 nothing visible in the outputs.
+
+Key lanes (`TileConfig.key_lanes`) must keep a decode tile's row max and sum inside warps: fewer CTA
+barriers in the key loop than the same tile with its keys split over the warps.
 """
 
 from __future__ import annotations
@@ -58,3 +61,22 @@ def test_e4m3_scores_take_the_stored_keys_into_the_hopper_mma(kernel_flags):
     assert e4m3.get("QGMMA.64", 0) == fp16["HGMMA.64"] - e4m3["HGMMA.64"] > 0
     widen = "F2FP.F16.E4M3.UNPACK_B"
     assert e4m3[widen] < fp16[widen]  # the key tiles are no longer widened (q's terms widen once)
+
+
+def key_loop(*flags: str) -> tuple[int, int, int]:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT)
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "kernel_sass.py"), "--top", "1", *flags],
+                         check=True, capture_output=True, text=True, env=env, cwd=ROOT).stdout
+    found = re.search(r"key loop: (\d+) instructions, (\d+) CTA barriers, (\d+) local", out)
+    return tuple(int(x) for x in found.groups())
+
+
+@pytest.mark.parametrize("cache", ["fp8", "bf16"])
+def test_key_lanes_keep_row_reductions_out_of_cta_barriers(cache):
+    # a 16-row decode tile on 4 warps: one softmax state per warp instead of keys split over warps
+    flags = ["--kernel", "paged", "--cache", cache, "--tile", "4,16,64", "--stages", "2"]
+    _, split_barriers, _ = key_loop(*flags)
+    _, lane_barriers, spills = key_loop(*flags, "--key-lanes", "4")
+    assert lane_barriers < split_barriers
+    assert spills == 0
