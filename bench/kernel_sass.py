@@ -1,12 +1,14 @@
 """Offline sm_90 build of the attention kernels: an instruction histogram, no GPU needed.
 
     PYTHONPATH=. python bench/kernel_sass.py [--kernel paged|context] [--cache fp8|bf16]
-        [--tile Q,M,N] [--rows R] [--warps W] [--stages S] [--source FILE] [--keep DIR]
+        [--tile Q,M,N] [--rows R] [--warps W] [--stages S] [--split] [--no-cvt-asm] [--fp8-q]
+        [--key-lanes L] [--source FILE] [--keep DIR] [--top N]
 
 Compiles one launch configuration of `kernels.paged_attention_kernel._paged_attention_kernel` (or of
 `kernels.context_attention._context_attention_kernel`) with Triton for an H100/H200 target
 (GPUTarget("cuda", 90)), disassembles the cubin with the cuobjdump bundled in Triton's wheel, and
-prints how often each SASS opcode occurs, with the shared-memory size. `--source` compiles another
+prints how often each SASS opcode occurs, with the shared-memory size, the registers per thread and
+the first key loop's instructions, CTA barriers and local-memory accesses. `--source` compiles another
 version of the kernel file instead (for example ``git show COMMIT:kernels/paged_attention_kernel.py``),
 so two versions compare without a device. `--keep DIR` writes the TTGIR, PTX and SASS there.
 
@@ -15,7 +17,7 @@ heads, D 128, 16-token pages; the context kernel: group 4, 32-token pages, singl
 constexprs the launchers choose on an sm_90 device; integer strides are marked divisible by 16, and
 unit strides made constants, as Triton's launcher does for such values. Static counts cover the
 whole kernel (both key loops, the prologue and the epilogue): compare versions, do not read them as
-per-tile costs.
+per-tile costs; the key-loop line is the static cost of one unmasked key tile.
 """
 
 from __future__ import annotations
