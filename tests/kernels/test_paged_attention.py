@@ -117,11 +117,12 @@ def test_gpu_tile_rules_follow_the_regime_and_the_operand_width():
     assert (q8_fp8.block_q, q8_fp8.block_m, q8_fp8.block_n) == (8, 32, 128)
     for cache, stages in ((bf16, 3), (fp8, 3)):
         prefill = choose_tiles(8192, 1, 4, 128, cuda, cache)
-        assert tuple(prefill) == (64, 256, 64, 8, stages)  # (q, m, n, warps, stages)
+        assert tuple(prefill) == (64, 256, 64, 8, stages, 1)  # (q, m, n, warps, stages, key lanes)
     wide = choose_tiles(8192, 1, 4, 128, cuda, fp32, fp32)  # 32-bit operands: half the rows, 2 stages
     assert (wide.block_m, wide.num_stages) == (128, 2)
     assert choose_tiles(8192, 1, 4, 256, cuda, bf16).block_m == 128  # D 256
     assert choose_tiles(8 * 32, 32, 4, 128, torch.device("cpu"), fp8).block_m == 32  # interpreter
+    assert decode.key_lanes == q8.key_lanes == q8_fp8.key_lanes == 1  # key lanes: untimed, never chosen
 
 
 def test_every_query_count_from_1_to_16():
