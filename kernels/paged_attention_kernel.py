@@ -58,6 +58,22 @@ def _find_seq(QueryStartLoc, num_seqs, tile_id, BLOCK_Q: tl.constexpr, SEARCH: t
 
 
 @triton.jit
+def _key_rows(block_row, n, n_ok, kv_head, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+              TOKENS_PER_BLOCK: tl.constexpr, MASKED: tl.constexpr):
+    """Element offsets of keys n (any shape) in K and V: the page of each key, then its row there.
+
+    Keys of one tile may span several pages. MASKED reads no table entry for keys past n_ok.
+    """
+    if MASKED:
+        page = tl.load(block_row + n // TOKENS_PER_BLOCK, mask=n_ok, other=0).to(tl.int64)
+    else:
+        page = tl.load(block_row + n // TOKENS_PER_BLOCK).to(tl.int64)
+    in_page = (n % TOKENS_PER_BLOCK).to(tl.int64)
+    return (page * stride_kb + in_page * stride_kt + kv_head * stride_kh,
+            page * stride_vb + in_page * stride_vt + kv_head * stride_vh)
+
+
+@triton.jit
 def _attend_key_tile(
     acc, m_i, l_i, q, q_lo, K, V, block_row, start, end, q_pos, kv_head, qk_scale,  #
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,  #
@@ -79,14 +95,8 @@ def _attend_key_tile(
     d = tl.arange(0, D_PAD)
     d_ok = d < HEAD_DIM
     n_ok = n < end
-    # Page of each key, then its row in that page: keys of one tile may span several pages.
-    if MASKED:
-        page = tl.load(block_row + n // TOKENS_PER_BLOCK, mask=n_ok, other=0).to(tl.int64)
-    else:
-        page = tl.load(block_row + n // TOKENS_PER_BLOCK).to(tl.int64)
-    in_page = (n % TOKENS_PER_BLOCK).to(tl.int64)
-    k_rows = page * stride_kb + in_page * stride_kt + kv_head * stride_kh  # [BLOCK_N]
-    v_rows = page * stride_vb + in_page * stride_vt + kv_head * stride_vh
+    k_rows, v_rows = _key_rows(block_row, n, n_ok, kv_head, stride_kb, stride_kt, stride_kh,  # [BLOCK_N]
+                               stride_vb, stride_vt, stride_vh, TOKENS_PER_BLOCK, MASKED)
     if MASKED or D_PAD != HEAD_DIM:
         k = tl.load(K + k_rows[None, :] + d[:, None], mask=n_ok[None, :] & d_ok[:, None], other=0.0)
         v = tl.load(V + v_rows[:, None] + d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
@@ -133,13 +143,8 @@ def _attend_key_tile_lanes(
     d = tl.arange(0, D_PAD)
     d_ok = d < HEAD_DIM
     n_ok = n < end
-    if MASKED:
-        page = tl.load(block_row + n // TOKENS_PER_BLOCK, mask=n_ok, other=0).to(tl.int64)
-    else:
-        page = tl.load(block_row + n // TOKENS_PER_BLOCK).to(tl.int64)
-    in_page = (n % TOKENS_PER_BLOCK).to(tl.int64)
-    k_rows = page * stride_kb + in_page * stride_kt + kv_head * stride_kh  # [LANES, KEYS]
-    v_rows = page * stride_vb + in_page * stride_vt + kv_head * stride_vh
+    k_rows, v_rows = _key_rows(block_row, n, n_ok, kv_head, stride_kb, stride_kt, stride_kh,  # [LANES, KEYS]
+                               stride_vb, stride_vt, stride_vh, TOKENS_PER_BLOCK, MASKED)
     if MASKED or D_PAD != HEAD_DIM:
         k = tl.load(K + k_rows[:, None, :] + d[None, :, None],
                     mask=n_ok[:, None, :] & d_ok[None, :, None], other=0.0)  # [LANES, D_PAD, KEYS]
