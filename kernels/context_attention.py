@@ -182,15 +182,7 @@ def _context_attention_kernel(
         ctx_scale = noise_scale * tl.load(k_scale).to(tl.float32)
     else:
         ctx_scale = noise_scale * k_scale
-    if FP8_Q:  # e4m3 context scores: each row's quantisation scale joins its score scale
-        q, q_lo, q_row_scale = operands.quantize_rows_e4m3(q)
-        ctx_scale = ctx_scale * q_row_scale
-    else:
-        if NARROW_Q:  # q's dtype outranges COMPUTE (bf16 -> fp16)
-            q, q_shift = operands.fp16_range_shift(q)
-            ctx_scale = ctx_scale * tl.exp2(q_shift)
-        q = q.to(COMPUTE)
-        q_lo = q  # unused
+    q, q_lo, ctx_scale = operands.score_operands(q, ctx_scale, COMPUTE, NARROW_Q, FP8_Q)
     if V_SCALE_MODE == 2:
         log2_v_scale = tl.log2(tl.load(v_scale).to(tl.float32))
     else:

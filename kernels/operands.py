@@ -133,3 +133,22 @@ def quantize_rows_e4m3(q):
     hi = scaled.to(tl.float8e4nv)
     lo = (scaled - hi.to(tl.float32)).to(tl.float8e4nv)
     return hi, lo, s
+
+
+@triton.jit
+def score_operands(q, score_scale, DOT_DTYPE: tl.constexpr, NARROW_Q: tl.constexpr, FP8_Q: tl.constexpr):
+    """An fp32 q tile [rows, D] as the score dot's operands: (q, q_lo, score_scale [rows]).
+
+    FP8_Q: q's two e4m3 terms (`quantize_rows_e4m3`) with each row's scale joined to its score
+    scale. Otherwise q in DOT_DTYPE, shifted into fp16's range first when NARROW_Q (the shift joins
+    the score scale), and q_lo is q again (the fp16 dot takes one term).
+    """
+    if FP8_Q:
+        q, q_lo, row_scale = quantize_rows_e4m3(q)
+        return q, q_lo, score_scale * row_scale
+    else:
+        if NARROW_Q:
+            q, shift = fp16_range_shift(q)
+            score_scale = score_scale * tl.exp2(shift)
+        q = q.to(DOT_DTYPE)
+        return q, q, score_scale

@@ -238,17 +238,9 @@ def _paged_attention_kernel(
     if SCALES_ON_DEVICE:
         k_scale = tl.load(KScale).to(tl.float32)
         v_scale = tl.load(VScale).to(tl.float32)
-    # per row: the fp8 dequant folded in, log2(e) for exp2
+    # per row: the fp8 dequant folded in, log2(e) for exp2, then q's own scale (e4m3 terms, fp16 shift)
     qk_scale = tl.full([BLOCK_M], 1.4426950408889634, tl.float32) * (sm_scale * k_scale)
-    if FP8_Q:  # e4m3 scores: each row's quantisation scale joins its score scale
-        q, q_lo, q_row_scale = operands.quantize_rows_e4m3(q)
-        qk_scale = qk_scale * q_row_scale
-    else:
-        if NARROW_Q:  # q's dtype outranges DOT_DTYPE (bf16 -> fp16)
-            q, q_shift = operands.fp16_range_shift(q)
-            qk_scale = qk_scale * tl.exp2(q_shift)
-        q = q.to(DOT_DTYPE)
-        q_lo = q  # unused
+    q, q_lo, qk_scale = operands.score_operands(q, qk_scale, DOT_DTYPE, NARROW_Q, FP8_Q)
     block_row = BlockTable + seq.to(tl.int64) * stride_bt
 
     # Keys below ctx_len + tile_q0 + 1 are visible to every row of the tile: no mask needed.
