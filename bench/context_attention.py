@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 import kernels
 from kernels import context_attention as ca
-from kernels import split_kv
+from kernels import context_attention_kernel, split_kv
 
 log = logging.getLogger("bench.context_attention")
 
@@ -220,7 +220,8 @@ def graph_safety(device, gen):
 
 def recompile_check(device, gen):
     """Compiled variants of the split kernel before and after batch sizes 1..24 (no growth expected)."""
-    jitted = (ca._context_attention_kernel, ca._context_merge_kernel)
+    jitted = (context_attention_kernel._context_attention_kernel,
+              context_attention_kernel._context_merge_kernel)
     counts = []
     for batch in (1, 2, 3, 5, 8, 13, 24):
         sets, _ = make_sets(batch, 2048, 4, "bf16", device, gen)

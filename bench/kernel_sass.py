@@ -5,7 +5,7 @@
         [--key-lanes L] [--source FILE] [--keep DIR] [--top N]
 
 Compiles one launch configuration of `kernels.paged_attention_kernel._paged_attention_kernel` (or of
-`kernels.context_attention._context_attention_kernel`) with Triton for an H100/H200 target
+`kernels.context_attention_kernel._context_attention_kernel`) with Triton for an H100/H200 target
 (GPUTarget("cuda", 90)), disassembles the cubin with the cuobjdump bundled in Triton's wheel, and
 prints how often each SASS opcode occurs, with the shared-memory size, the registers per thread and
 the first key loop's instructions, CTA barriers and local-memory accesses. `--source` compiles another
@@ -79,7 +79,7 @@ def context_build(args):
                       FP8_CVT_ASM=args.cvt_asm, FP8_Q=fp8 and args.fp8_q)
     # the head-dim strides are 1, which Triton's launcher specialises as constants
     constexprs.update({f"stride_{t}d": 1 for t in ("q", "k", "v", "nk", "nv", "o")})
-    return "kernels/context_attention.py", "_context_attention_kernel", pointers, constexprs
+    return "kernels/context_attention_kernel.py", "_context_attention_kernel", pointers, constexprs
 
 
 def compile_kernel(kernel, pointers: dict, constexprs: dict, num_warps: int, num_stages: int):

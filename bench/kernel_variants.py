@@ -3,8 +3,9 @@
     PYTHONPATH=. python bench/kernel_variants.py --out DIR --variant base=DIR1 [--variant NAME=DIR2 ...]
         [--commit HASH] [--part paged|context|both|shapes] [--cache bf16|fp8] [--budget-s 420]
 
-A variant directory holds `paged_attention_kernel.py` and/or `context_attention.py`, other
-versions of the working tree's files with the same launch arguments (for example
+A variant directory holds `paged_attention_kernel.py` and/or `context_attention_kernel.py` (or,
+from before the launcher was split off, `context_attention.py`), other versions of the working
+tree's files with the same launch arguments (for example
 ``git show COMMIT:kernels/paged_attention_kernel.py``). Each is imported under its own module
 name and its jitted kernels are swapped into the working tree's launchers
 (`kernels.paged_attention._paged_attention_kernel`, `kernels.context_attention`'s split and merge
@@ -79,7 +80,7 @@ SHAPE_VARIANTS = [  # earlier sets are in bench/results/kernel_variants_*.json
 def load_variant(name: str, directory: Path) -> dict:
     """{file stem: module} for the kernel files present in `directory`."""
     modules = {}
-    for stem in ("paged_attention_kernel", "context_attention"):
+    for stem in ("paged_attention_kernel", "context_attention_kernel", "context_attention"):
         path = directory / f"{stem}.py"
         if path.exists():
             spec = importlib.util.spec_from_file_location(f"variant_{name}_{stem}", path)
@@ -88,8 +89,8 @@ def load_variant(name: str, directory: Path) -> dict:
             spec.loader.exec_module(module)
             modules[stem] = module
     if not modules:
-        raise SystemExit(f"variant {name}: {directory} holds neither paged_attention_kernel.py nor "
-                         f"context_attention.py")
+        raise SystemExit(f"variant {name}: {directory} holds none of paged_attention_kernel.py, "
+                         f"context_attention_kernel.py, context_attention.py")
     return modules
 
 
@@ -117,8 +118,9 @@ def swapped_in(modules: dict) -> contextlib.ExitStack:
         paged = modules["paged_attention_kernel"]
         stack.enter_context(mock.patch.object(pa, "_paged_attention_kernel",
                                               _OlderSignature(paged._paged_attention_kernel)))
-    if "context_attention" in modules:
-        context = modules["context_attention"]
+    # the context kernels' file; before the launcher was split off they lived in context_attention.py
+    context = modules.get("context_attention_kernel") or modules.get("context_attention")
+    if context is not None:
         for name in ("_context_attention_kernel", "_context_merge_kernel"):
             stack.enter_context(mock.patch.object(ca, name, _OlderSignature(getattr(context, name))))
     return stack

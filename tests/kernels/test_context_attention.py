@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import kernels
-from kernels import context_attention, operands
+from kernels import context_attention_kernel, operands
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FP8 = torch.float8_e4m3fn
@@ -280,7 +280,8 @@ def test_gpu_graph_replays_at_other_lengths():
 
 @pytest.mark.gpu
 def test_gpu_batch_size_change_does_not_recompile():
-    jitted = (context_attention._context_attention_kernel, context_attention._context_merge_kernel)
+    jitted = (context_attention_kernel._context_attention_kernel,
+              context_attention_kernel._context_merge_kernel)
     counts = []
     for batch in (1, 2, 3, 5):
         case = make_case([200 + 37 * b for b in range(batch)], 16, 4, 4, 128, 32, torch.bfloat16, seed=batch)
