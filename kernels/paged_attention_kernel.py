@@ -74,6 +74,29 @@ def _key_rows(block_row, n, n_ok, kv_head, stride_kb, stride_kt, stride_kh, stri
 
 
 @triton.jit
+def _softmax_step(s, v, acc, m_i, l_i, qk_scale, MASKED: tl.constexpr, DOT_DTYPE: tl.constexpr,
+                  FP8_CVT_ASM: tl.constexpr):
+    """Fold raw scores s [..., M, N] (masked keys at -inf) and values v [..., N, D] into the state.
+
+    acc [..., M, D], m_i / l_i [..., M]; qk_scale broadcasts against m_i. The running max is kept in
+    scaled (log2) units while the raw scores are scaled inside the exponent (one FMA per score,
+    qk_scale > 0 keeps the max), and P V accumulates into the dot. Leading axes (key lanes) batch.
+    """
+    KEYS_AXIS: tl.constexpr = len(s.shape) - 1
+    m_new = tl.maximum(m_i, tl.max(s, KEYS_AXIS) * qk_scale)
+    if MASKED:  # a row may see no key of a diagonal tile yet (or of this split): keep 2**(-inf - -inf) out
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_ref = m_new
+    p = tl.exp2(s * tl.expand_dims(qk_scale, KEYS_AXIS) - tl.expand_dims(m_ref, KEYS_AXIS))
+    alpha = tl.exp2(m_i - m_ref)
+    l_i = l_i * alpha + tl.sum(p, KEYS_AXIS)
+    acc = tl.dot(p.to(DOT_DTYPE), operands.widen_values(v, DOT_DTYPE, FP8_CVT_ASM),
+                 acc * tl.expand_dims(alpha, KEYS_AXIS))
+    return acc, m_new, l_i
+
+
+@triton.jit
 def _attend_key_tile(
     acc, m_i, l_i, q, q_lo, K, V, block_row, start, end, q_pos, kv_head, qk_scale,  #
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,  #
@@ -87,9 +110,7 @@ def _attend_key_tile(
     FP8_Q q and q_lo, its two e4m3 terms (`operands.quantize_rows_e4m3`, row scales inside
     qk_scale), dotted with the fp8 keys as stored.
     MASKED applies causality (key <= q_pos) and the range end; unmasked tiles lie wholly below
-    every row. The running max is kept in scaled (log2) units while the raw scores are scaled
-    inside the exponent (one FMA per score, qk_scale > 0 keeps the max), and P V accumulates
-    into the dot.
+    every row. The state update is `_softmax_step`.
     """
     n = start + tl.arange(0, BLOCK_N)
     d = tl.arange(0, D_PAD)
@@ -109,17 +130,7 @@ def _attend_key_tile(
         s = tl.dot(q, k.to(DOT_DTYPE))
     if MASKED:
         s = tl.where((n[None, :] <= q_pos[:, None]) & n_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-        # A row may see no key of a diagonal tile yet (or of this split): keep 2**(-inf - -inf) out.
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-    else:
-        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-        m_ref = m_new
-    p = tl.exp2(s * qk_scale[:, None] - m_ref[:, None])
-    alpha = tl.exp2(m_i - m_ref)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = tl.dot(p.to(DOT_DTYPE), operands.widen_values(v, DOT_DTYPE, FP8_CVT_ASM), acc * alpha[:, None])
-    return acc, m_new, l_i
+    return _softmax_step(s, v, acc, m_i, l_i, qk_scale, MASKED, DOT_DTYPE, FP8_CVT_ASM)
 
 
 @triton.jit
@@ -154,19 +165,9 @@ def _attend_key_tile_lanes(
         k = tl.load(K + k_rows[:, None, :] + d[None, :, None])
         v = tl.load(V + v_rows[:, :, None] + d[None, None, :])
     s = tl.dot(q, k.to(DOT_DTYPE))  # [LANES, BLOCK_M, KEYS] raw scores
-    scale = qk_scale[None, :]
     if MASKED:
         s = tl.where((n[:, None, :] <= q_pos[None, :, None]) & n_ok[:, None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 2) * scale)
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-    else:
-        m_new = tl.maximum(m_i, tl.max(s, 2) * scale)
-        m_ref = m_new
-    p = tl.exp2(s * scale[:, :, None] - m_ref[:, :, None])
-    alpha = tl.exp2(m_i - m_ref)
-    l_i = l_i * alpha + tl.sum(p, 2)
-    acc = tl.dot(p.to(DOT_DTYPE), operands.widen_values(v, DOT_DTYPE, FP8_CVT_ASM), acc * alpha[:, :, None])
-    return acc, m_new, l_i
+    return _softmax_step(s, v, acc, m_i, l_i, qk_scale[None, :], MASKED, DOT_DTYPE, FP8_CVT_ASM)
 
 
 @triton.jit
