@@ -10,8 +10,9 @@ per-byte cost and the two kernels from each other: (1) the full call under CUDA 
 0..32768 x forced split counts (ctx 0 gives the fixed cost; a forced count of 1 is the single-pass
 kernel, no merge); (2) per-kernel device time of the split kernel and of the merge (torch.profiler,
 eager, as bench/latency_ablation.py's breakdowns) at the default split count, with PDL on and off,
-next to the graph time of the same call; (3) the split path's launch configs (merge tiles and
-chunk, `CONFIGS`) at ctx 8192, for B 1 and a few other split batches (`TILE_CASES`). Timing and
+next to the graph time of the same call; (3) the split path's launch configs (`CONFIGS`: the merge
+in the split kernel against the merge kernel) at ctx 2048..32768, for B 1 and other split batches
+(`TILE_CASES`). Timing and
 inputs are bench/context_attention.py's (graphs over rotated input sets, median of replays). Writes
 DIR/context_latency.{json,md}.
 """
@@ -46,13 +47,13 @@ ROWS_PAD = max(16, triton.next_power_of_2(cab.NUM_Q * cab.GROUP))
 CONTEXTS = (0, 128, 1024, 4096, 8192, 32768)
 SPLITS = (None, 1, 4, 8, 16, 32, 64)  # None: the public path's own plan (>= 128 keys per split)
 BREAKDOWN_CONTEXTS = (8192, 32768)
-# split-path configs at ctx 8192: the split kernel's tiles were all slower than 64 / 4 / 3 (earlier run
-# of this bench, a94d6fb); here the merge's tile and chunk (splits folded per step)
-CONFIGS = [ca.LaunchConfig(64, 4, 3),
-           *(ca.LaunchConfig(64, 4, 3, merge_rows=r, merge_cols=c, merge_chunk=k)
-             for r, c, k in ((16, 32, 32), (16, 32, 64), (16, 64, 32), (16, 64, 64), (32, 32, 32),
-                             (16, 128, 32)))]
-TILE_CASES = [(1, 4), (1, 8), (4, 8), (16, 4)]  # (B, NKV) on the split path at ctx 8192
+# split-path configs: the split kernel's tiles were all slower than 64 / 4 / 3 (a94d6fb) and merge tiles
+# other than 16 x 32 x 32 splits per step too (context_latency_merge.md, 2a2f7cb); here the merge in the
+# split kernel's last programs against the merge kernel
+CONFIGS = [ca.LaunchConfig(64, 4, 3), ca.LaunchConfig(64, 4, 3, fused_merge_chunk=8),
+           ca.LaunchConfig(64, 4, 3, fused_merge=False)]
+TILE_CASES = [(1, 4), (1, 8), (4, 4), (4, 8), (16, 4), (16, 8)]  # (B, NKV) on the split path
+TILE_CONTEXTS = (2048, 8192, 32768)
 
 
 def context_sets(ctx, device, gen):
@@ -102,18 +103,19 @@ def kernel_breakdown(device, gen, deadline) -> list[dict]:
 
 
 def tile_sweep(device, gen, deadline) -> list[dict]:
-    """(3) the split path at ctx 8192 with explicit launch configs (cab._configured_launch).
+    """(3) the split path with explicit launch configs (cab._configured_launch).
 
     B 1 with NKV 4 first (this bench's case), then other split batches, for a rule that holds there too.
     """
     rows = []
-    for batch, nkv in TILE_CASES:
-        sets, kv_bytes = cab.make_sets(batch, 8192, nkv, DTYPE, device, gen)
+    for (batch, nkv), ctx in ((case, ctx) for case in TILE_CASES for ctx in TILE_CONTEXTS):
+        sets, kv_bytes = cab.make_sets(batch, ctx, nkv, DTYPE, device, gen)
         max_splits = split_kv.plan_max_splits(batch * nkv, device)
         min_tokens = split_kv.min_tokens_per_split(ROWS_PAD)
         default = ca.default_config(ROWS_PAD, torch.bfloat16, device)
         for config in CONFIGS:
-            row = {"batch": batch, "nkv": nkv, "splits": max_splits, "config": dataclasses.asdict(config),
+            row = {"batch": batch, "nkv": nkv, "ctx": ctx, "splits": max_splits,
+                   "config": dataclasses.asdict(config),
                    "default": config == default, "kv_bytes": kv_bytes}
             if deadline.passed():
                 rows.append(dict(row, skipped="time budget"))
@@ -169,17 +171,22 @@ def markdown(result) -> str:
                      f"{fmt(split, '.2f')} | {fmt(merge, '.2f')} | {fmt(gap, '.2f')} |")
     lines += ["", "All kernels seen: " + "; ".join(f"ctx {r['ctx']} {r['pdl']}: {r['kernels_us']}"
                                                  for r in result["breakdown"]), "",
-              "## 3. Split path launch configs at ctx 8192 (grid splits as planned)", "",
-              "| B | NKV | splits | block_n | warps | stages | merge rows x cols | merge chunk | us | GB/s "
-              "| note |",
-              "|---|---|---|---|---|---|---|---|---|---|---|"]
+              "## 3. Split path launch configs (grid splits as planned)", "",
+              "`fused` merges in the split kernel's last programs, `kernel` launches the merge kernel.", "",
+              "| B | NKV | ctx | splits | block_n | warps | stages | merge | merge rows x cols "
+              "| chunk (fused) "
+              "| us | GB/s | note |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["tiles"]:
         c, us = r["config"], r.get("us")
         note = "default" if r["default"] else ""
         note = f"{note} {r.get('skipped', '')}".strip()
         gbps = None if us is None else r["kv_bytes"] / us / 1e3
-        lines.append(f"| {r['batch']} | {r['nkv']} | {r['splits']} | {c['block_n']} | {c['num_warps']} | "
-                     f"{c['num_stages']} | {c['merge_rows']} x {c['merge_cols']} | {c['merge_chunk']} | "
+        merge = "fused" if c.get("fused_merge") else "kernel"
+        lines.append(f"| {r['batch']} | {r['nkv']} | {r.get('ctx', 8192)} | {r['splits']} | {c['block_n']} | "
+                     f"{c['num_warps']} | {c['num_stages']} | {merge} | "
+                     f"{c['merge_rows']} x {c['merge_cols']} | "
+                     f"{c['merge_chunk']} ({c.get('fused_merge_chunk', '-')}) | "
                      f"{fmt(us)} | {fmt(gbps, '.0f')} | {note} |")
     return "\n".join(lines) + "\n"
 

@@ -3,9 +3,14 @@
 Per request b and KV head h, the Q noise queries of the group's heads (R = Q x group rows, padded
 to a power of two >= 16) attend, with ONE softmax and no mask, over the ctx_lens[b] context keys
 in the pool's pages and the Q noise keys. `_context_attention_kernel` runs on a grid
-(NKV, B, max_splits): with SPLIT each program takes its share of a length-aware split count decided
-on the device (`kernels.split_kv`; split 0 also folds the noise suffix) and writes a partial state
-that `_context_merge_kernel` folds; without it one program per (head, request) writes the output.
+(NKV, B, max_splits): without SPLIT one program per (head, request) folds its context and the
+noise and writes the output. With SPLIT each program takes its share of a length-aware split count
+decided on the device (`kernels.split_kv`). A request whose context takes one split is finished by
+split 0 alone, like the single pass. Otherwise every split writes a partial state, and the merge
+runs in [MERGE_ROWS, MERGE_COLS] tiles of the output that also fold the noise keys: either in the
+same kernel (FUSED_MERGE: the last `mergers` programs of a work item to finish wait for the rest and
+share its tiles; no second launch) or in `_context_merge_kernel`, which folds the noise before it
+waits for the split kernel (PDL), off the critical path.
 
 Scores live in log2 units (scale * log2(e) folded into one multiplier) so the softmax uses exp2.
 fp8 context: k_scale joins the score multiplier of the context keys, v_scale multiplies the
@@ -18,7 +23,16 @@ import triton
 import triton.language as tl
 
 from kernels import operands, pdl
-from kernels.split_kv import finalize_state, merge_partial_chunks, num_splits_for, split_bounds
+from kernels.split_kv import (
+    arrive,
+    combine_states,
+    finalize_state,
+    leave_merge,
+    merge_partial_chunks,
+    num_splits_for,
+    split_bounds,
+    wait_for_arrivals,
+)
 
 
 @triton.jit
@@ -83,11 +97,99 @@ def _context_tile(q, q_lo, acc, m_i, l_i, table, k_head, v_head, n0, end,
                         HAS_V_SCALE, COMPUTE, PRECISION, FP8_Q)
 
 
-@triton.jit(do_not_specialize=["max_splits"])
+@triton.jit
+def _load_rows(q_ptr, b64, kvh, rows, row_mask, num_q, stride_qb, stride_qq, stride_qh, stride_qd,
+               GROUP: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """q of tile rows `rows` [R] x all D (row r: query position r // GROUP, head kvh * GROUP + r % GROUP)."""
+    dims = tl.arange(0, HEAD_DIM)
+    heads = kvh * GROUP + rows % GROUP
+    offs = (b64 * stride_qb + (rows // GROUP)[:, None] * stride_qq + heads[:, None] * stride_qh
+            + dims[None, :] * stride_qd)
+    return tl.load(q_ptr + offs, mask=row_mask[:, None], other=0.0)
+
+
+@triton.jit
+def _fold_noise(acc, m_i, l_i, qn, k_noise_ptr, v_noise_ptr, b64, kvh, cols, num_q, noise_scale,
+                stride_nkb, stride_nkq, stride_nkh, stride_nkd,
+                stride_nvb, stride_nvq, stride_nvh, stride_nvd,
+                HEAD_DIM: tl.constexpr, NOISE_PAD: tl.constexpr, NOISE_COMPUTE: tl.constexpr,
+                PRECISION: tl.constexpr):
+    """Fold all Q dense noise keys into the state of rows qn [R, D] (NOISE_COMPUTE), output columns
+    `cols` [C] (acc [R, C]); the noise keys are q's dtype and unscaled."""
+    dims = tl.arange(0, HEAD_DIM)
+    js = tl.arange(0, NOISE_PAD)
+    j_mask = js < num_q
+    kn = tl.load(k_noise_ptr + b64 * stride_nkb + js[:, None] * stride_nkq + kvh * stride_nkh
+                 + dims[None, :] * stride_nkd, mask=j_mask[:, None], other=0.0)
+    vn = tl.load(v_noise_ptr + b64 * stride_nvb + js[:, None] * stride_nvq + kvh * stride_nvh
+                 + cols[None, :] * stride_nvd, mask=j_mask[:, None], other=0.0)
+    return _attend_tile(qn, qn, kn.to(NOISE_COMPUTE), vn.to(NOISE_COMPUTE), j_mask, acc, m_i, l_i,
+                        noise_scale, 0.0, True, False, NOISE_COMPUTE, PRECISION, False)
+
+
+@triton.jit
+def _store_rows(out_ptr, state, b64, kvh, rows, row_mask, cols, stride_ob, stride_oq, stride_oh, stride_od,
+                GROUP: tl.constexpr):
+    heads = kvh * GROUP + rows % GROUP
+    offs = (b64 * stride_ob + (rows // GROUP)[:, None] * stride_oq + heads[:, None] * stride_oh
+            + cols[None, :] * stride_od)
+    tl.store(out_ptr + offs, state.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
+
+
+@triton.jit
+def _merge_tile_rows_cols(tile, num_q, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                          MERGE_ROWS: tl.constexpr, MERGE_COLS: tl.constexpr):
+    """Rows [MERGE_ROWS], their mask and columns [MERGE_COLS] of merge tile `tile` (column-major)."""
+    col_blocks: tl.constexpr = HEAD_DIM // MERGE_COLS
+    rows = (tile // col_blocks) * MERGE_ROWS + tl.arange(0, MERGE_ROWS)
+    cols = (tile % col_blocks) * MERGE_COLS + tl.arange(0, MERGE_COLS)
+    return rows, rows < num_q * GROUP, cols
+
+
+@triton.jit
+def _noise_tile_state(tile, b64, kvh, q_ptr, k_noise_ptr, v_noise_ptr, num_q, noise_scale_log2,
+                      stride_qb, stride_qq, stride_qh, stride_qd,
+                      stride_nkb, stride_nkq, stride_nkh, stride_nkd,
+                      stride_nvb, stride_nvq, stride_nvh, stride_nvd,
+                      GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, MERGE_ROWS: tl.constexpr,
+                      MERGE_COLS: tl.constexpr, NOISE_PAD: tl.constexpr, NOISE_COMPUTE: tl.constexpr,
+                      PRECISION: tl.constexpr):
+    """The noise keys' running state for one merge tile: needs no partial, so a merge computes it
+    before waiting for the splits."""
+    rows, row_mask, cols = _merge_tile_rows_cols(tile, num_q, GROUP, HEAD_DIM, MERGE_ROWS, MERGE_COLS)
+    qn = _load_rows(q_ptr, b64, kvh, rows, row_mask, num_q, stride_qb, stride_qq, stride_qh, stride_qd,
+                    GROUP, HEAD_DIM).to(NOISE_COMPUTE)
+    acc = tl.zeros([MERGE_ROWS, MERGE_COLS], dtype=tl.float32)
+    m_i = tl.full([MERGE_ROWS], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([MERGE_ROWS], dtype=tl.float32)
+    noise_scale = tl.zeros([MERGE_ROWS], dtype=tl.float32) + noise_scale_log2
+    return _fold_noise(acc, m_i, l_i, qn, k_noise_ptr, v_noise_ptr, b64, kvh, cols, num_q, noise_scale,
+                       stride_nkb, stride_nkq, stride_nkh, stride_nkd, stride_nvb, stride_nvq, stride_nvh,
+                       stride_nvd, HEAD_DIM, NOISE_PAD, NOISE_COMPUTE, PRECISION)
+
+
+@triton.jit
+def _merge_tile_store(tile, acc_n, m_n, l_n, b64, kvh, item_row0, part_acc_ptr, part_lse_ptr, out_ptr,
+                      num_q, count, stride_pr, stride_ps, stride_lr, stride_ls,
+                      stride_ob, stride_oq, stride_oh, stride_od,
+                      GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, MERGE_ROWS: tl.constexpr,
+                      MERGE_COLS: tl.constexpr, MERGE_CHUNK: tl.constexpr):
+    """Fold the `count` partials of one merge tile into its noise state and store the output."""
+    rows, row_mask, cols = _merge_tile_rows_cols(tile, num_q, GROUP, HEAD_DIM, MERGE_ROWS, MERGE_COLS)
+    acc, m_i, l_i = merge_partial_chunks(part_acc_ptr, part_lse_ptr, item_row0 + rows, row_mask, cols,
+                                         cols < HEAD_DIM, stride_pr, stride_ps, stride_lr, stride_ls, count,
+                                         MERGE_CHUNK)
+    acc, m_i, l_i = combine_states(acc, m_i, l_i, acc_n, m_n, l_n)
+    out, _ = finalize_state(acc, m_i, l_i)
+    _store_rows(out_ptr, out, b64, kvh, rows, row_mask, cols, stride_ob, stride_oq, stride_oh, stride_od,
+                GROUP)
+
+
+@triton.jit(do_not_specialize=["max_splits", "mergers"])
 def _context_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, ctx_lens_ptr, k_noise_ptr, v_noise_ptr,
-    out_ptr, part_acc_ptr, part_lse_ptr, k_scale, v_scale, sm_scale_log2,
-    num_q, max_splits, min_tokens_per_split,
+    out_ptr, part_acc_ptr, part_lse_ptr, counters_ptr, k_scale, v_scale, sm_scale_log2,
+    num_q, max_splits, min_tokens_per_split, mergers,
     stride_qb, stride_qq, stride_qh, stride_qd,
     stride_kb, stride_kt, stride_kh, stride_kd,
     stride_vb, stride_vt, stride_vh, stride_vd,
@@ -101,6 +203,8 @@ def _context_attention_kernel(
     K_SCALE_MODE: tl.constexpr, V_SCALE_MODE: tl.constexpr,
     COMPUTE: tl.constexpr, NOISE_COMPUTE: tl.constexpr, NARROW_Q: tl.constexpr, PRECISION: tl.constexpr,
     USE_PDL: tl.constexpr, FP8_CVT_ASM: tl.constexpr, FP8_Q: tl.constexpr,
+    FUSED_MERGE: tl.constexpr, MERGE_ROWS: tl.constexpr, MERGE_COLS: tl.constexpr,
+    MERGE_CHUNK: tl.constexpr,
 ):
     kvh = tl.program_id(0)
     b = tl.program_id(1)
@@ -110,23 +214,23 @@ def _context_attention_kernel(
     rows = tl.arange(0, ROWS)
     dims = tl.arange(0, HEAD_DIM)
     row_mask = rows < num_q * GROUP
-    heads = kvh * GROUP + rows % GROUP
-    qpos = rows // GROUP
     ctx_len = tl.load(ctx_lens_ptr + b)
     if SPLIT:
         count = num_splits_for(ctx_len, max_splits, min_tokens_per_split)
+        if count == 1 and split > 0:  # split 0 finishes a one-split request alone
+            return
         # a split past the count gets start >= ctx_len (an empty range); it reads and writes nothing
         start, end = split_bounds(ctx_len, split, count, BLOCK_N)
         active = (tl.zeros([ROWS], dtype=tl.int32) + split) < count  # [ROWS], one value
     else:
+        count = 1
         start = 0
         end = ctx_len
         active = rows >= 0
 
     b64 = b.to(tl.int64)
-    q_offs = (b64 * stride_qb + qpos[:, None] * stride_qq + heads[:, None] * stride_qh
-              + dims[None, :] * stride_qd)
-    q = tl.load(q_ptr + q_offs, mask=(row_mask & active)[:, None], other=0.0).to(tl.float32)
+    q = _load_rows(q_ptr, b64, kvh, rows, row_mask & active, num_q, stride_qb, stride_qq, stride_qh,
+                   stride_qd, GROUP, HEAD_DIM).to(tl.float32)
     acc = tl.zeros([ROWS, HEAD_DIM], dtype=tl.float32)
     m_i = tl.full([ROWS], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([ROWS], dtype=tl.float32)
@@ -163,60 +267,79 @@ def _context_attention_kernel(
             stride_vt, ctx_scale, log2_v_scale, TOKENS_PER_BLOCK, BLOCK_N, True, V_SCALE_MODE != 0, COMPUTE,
             PRECISION, FP8_CVT_ASM, FP8_Q)
 
-    pdl.allow_next_grid(USE_PDL)  # the context is read: the merge may be scheduled
-    # noise suffix: all Q dense keys, folded once per request and head (by split 0)
-    if split == 0:
+    pdl.allow_next_grid(USE_PDL)  # the context is read: the next kernel may be scheduled
+    if count == 1:  # the whole context is in this program: fold the noise keys, write the output
         if NARROW_Q or FP8_Q:  # the noise keys are q's dtype, unscaled: q again, in that dtype
-            qn = tl.load(q_ptr + q_offs, mask=(row_mask & active)[:, None], other=0.0).to(NOISE_COMPUTE)
+            qn = _load_rows(q_ptr, b64, kvh, rows, row_mask, num_q, stride_qb, stride_qq, stride_qh,
+                            stride_qd, GROUP, HEAD_DIM).to(NOISE_COMPUTE)
         else:
             qn = q
-        js = tl.arange(0, NOISE_PAD)
-        j_mask = js < num_q
-        kn = tl.load(k_noise_ptr + b64 * stride_nkb + js[:, None] * stride_nkq + kvh * stride_nkh
-                     + dims[None, :] * stride_nkd, mask=j_mask[:, None], other=0.0)
-        vn = tl.load(v_noise_ptr + b64 * stride_nvb + js[:, None] * stride_nvq + kvh * stride_nvh
-                     + dims[None, :] * stride_nvd, mask=j_mask[:, None], other=0.0)
-        acc, m_i, l_i = _attend_tile(qn, qn, kn.to(NOISE_COMPUTE), vn.to(NOISE_COMPUTE), j_mask, acc, m_i,
-                                     l_i, noise_scale, 0.0, True, False, NOISE_COMPUTE, PRECISION, False)
-
-    if SPLIT:
+        acc, m_i, l_i = _fold_noise(acc, m_i, l_i, qn, k_noise_ptr, v_noise_ptr, b64, kvh, dims, num_q,
+                                    noise_scale, stride_nkb, stride_nkq, stride_nkh, stride_nkd, stride_nvb,
+                                    stride_nvq, stride_nvh, stride_nvd, HEAD_DIM, NOISE_PAD, NOISE_COMPUTE,
+                                    PRECISION)
+        _store_rows(out_ptr, acc / l_i[:, None], b64, kvh, rows, row_mask, dims,  # l_i >= 1: noise keys
+                    stride_ob, stride_oq, stride_oh, stride_od, GROUP)
+    elif SPLIT:
         state, lse = finalize_state(acc, m_i, l_i)
-        prow = ((b64 * tl.num_programs(0) + kvh) * ROWS + rows).to(tl.int64)
-        tl.store(part_acc_ptr + prow[:, None] * stride_pr + split * stride_ps + dims[None, :], state,
-                 mask=active[:, None])
-        tl.store(part_lse_ptr + prow * stride_lr + split * stride_ls, lse, mask=active)
-    else:
-        out = acc / l_i[:, None]  # l_i >= 1: the noise keys are always there
-        o_offs = (b64 * stride_ob + qpos[:, None] * stride_oq + heads[:, None] * stride_oh
-                  + dims[None, :] * stride_od)
-        tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
+        item = b * tl.num_programs(0) + kvh
+        item_row0 = item.to(tl.int64) * ROWS
+        tl.store(part_acc_ptr + (item_row0 + rows)[:, None] * stride_pr + split * stride_ps + dims[None, :],
+                 state, mask=active[:, None])
+        tl.store(part_lse_ptr + (item_row0 + rows) * stride_lr + split * stride_ls, lse, mask=active)
+        if FUSED_MERGE:  # a constexpr test: no counter traffic without it
+            # every program of the item arrives (empty splits at once); the last `mergers` to arrive
+            # wait for the rest and share the merge tiles, the noise folded before the wait
+            ticket = arrive(counters_ptr + item)
+            first_merger = max_splits - mergers
+            if ticket >= first_merger:
+                num_tiles: tl.constexpr = ROWS // MERGE_ROWS * (HEAD_DIM // MERGE_COLS)
+                for tile in range(ticket - first_merger, num_tiles, mergers):
+                    acc_n, m_n, l_n = _noise_tile_state(
+                        tile, b64, kvh, q_ptr, k_noise_ptr, v_noise_ptr, num_q, sm_scale_log2,
+                        stride_qb, stride_qq, stride_qh, stride_qd, stride_nkb, stride_nkq, stride_nkh,
+                        stride_nkd, stride_nvb, stride_nvq, stride_nvh, stride_nvd, GROUP, HEAD_DIM,
+                        MERGE_ROWS, MERGE_COLS, NOISE_PAD, NOISE_COMPUTE, PRECISION)
+                    if tile < mergers:  # this program's first tile: wait for every split once
+                        wait_for_arrivals(counters_ptr + item, max_splits)
+                    _merge_tile_store(tile, acc_n, m_n, l_n, b64, kvh, item_row0, part_acc_ptr, part_lse_ptr,
+                                      out_ptr, num_q, count, stride_pr, stride_ps, stride_lr, stride_ls,
+                                      stride_ob, stride_oq, stride_oh, stride_od, GROUP, HEAD_DIM, MERGE_ROWS,
+                                      MERGE_COLS, MERGE_CHUNK)
+                num_items = tl.num_programs(0) * tl.num_programs(1)
+                leave_merge(counters_ptr + item, counters_ptr + num_items + item, mergers)
 
 
 @triton.jit(do_not_specialize=["max_splits"])
 def _context_merge_kernel(
-    part_acc_ptr, part_lse_ptr, ctx_lens_ptr, out_ptr,
-    num_q, max_splits, min_tokens_per_split,
+    q_ptr, k_noise_ptr, v_noise_ptr, part_acc_ptr, part_lse_ptr, ctx_lens_ptr, out_ptr,
+    sm_scale_log2, num_q, max_splits, min_tokens_per_split,
+    stride_qb, stride_qq, stride_qh, stride_qd,
+    stride_nkb, stride_nkq, stride_nkh, stride_nkd,
+    stride_nvb, stride_nvq, stride_nvh, stride_nvd,
     stride_pr, stride_ps, stride_lr, stride_ls,
     stride_ob, stride_oq, stride_oh, stride_od,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr, NOISE_PAD: tl.constexpr,
     MERGE_ROWS: tl.constexpr, MERGE_COLS: tl.constexpr, MERGE_CHUNK: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    NOISE_COMPUTE: tl.constexpr, PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     # grid: (ROWS / MERGE_ROWS * HEAD_DIM / MERGE_COLS, NKV, B): a [MERGE_ROWS, MERGE_COLS] tile each
-    col_blocks: tl.constexpr = HEAD_DIM // MERGE_COLS
+    tile = tl.program_id(0)
     kvh = tl.program_id(1)
     b = tl.program_id(2)
-    rows = (tl.program_id(0) // col_blocks) * MERGE_ROWS + tl.arange(0, MERGE_ROWS)
-    cols = (tl.program_id(0) % col_blocks) * MERGE_COLS + tl.arange(0, MERGE_COLS)
-    row_mask = rows < num_q * GROUP
-    pdl.wait_for_previous_grid(USE_PDL)  # the split kernel's partials
-    pdl.allow_next_grid(USE_PDL)
+    b64 = b.to(tl.int64)
+    # the noise keys, q and the lengths come from before the split kernel: read them before waiting
     count = num_splits_for(tl.load(ctx_lens_ptr + b), max_splits, min_tokens_per_split)
-    prow = (b.to(tl.int64) * tl.num_programs(1) + kvh) * ROWS + rows
-    acc, m_i, l_i = merge_partial_chunks(part_acc_ptr, part_lse_ptr, prow, row_mask, cols, cols < HEAD_DIM,
-                                         stride_pr, stride_ps, stride_lr, stride_ls, count, MERGE_CHUNK)
-    out, _ = finalize_state(acc, m_i, l_i)
-    heads = kvh * GROUP + rows % GROUP
-    o_offs = (b.to(tl.int64) * stride_ob + (rows // GROUP)[:, None] * stride_oq + heads[:, None] * stride_oh
-              + cols[None, :] * stride_od)
-    tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
+    acc_n, m_n, l_n = _noise_tile_state(
+        tile, b64, kvh, q_ptr, k_noise_ptr, v_noise_ptr, num_q, sm_scale_log2,
+        stride_qb, stride_qq, stride_qh, stride_qd, stride_nkb, stride_nkq, stride_nkh, stride_nkd,
+        stride_nvb, stride_nvq, stride_nvh, stride_nvd, GROUP, HEAD_DIM, MERGE_ROWS, MERGE_COLS, NOISE_PAD,
+        NOISE_COMPUTE, PRECISION)
+    pdl.wait_for_previous_grid(USE_PDL)  # the split kernel's partials (and its completion, for what follows)
+    pdl.allow_next_grid(USE_PDL)
+    if count > 1:  # one split: the split kernel wrote the output itself
+        item_row0 = (b64 * tl.num_programs(1) + kvh) * ROWS
+        _merge_tile_store(tile, acc_n, m_n, l_n, b64, kvh, item_row0, part_acc_ptr, part_lse_ptr, out_ptr,
+                          num_q, count, stride_pr, stride_ps, stride_lr, stride_ls,
+                          stride_ob, stride_oq, stride_oh, stride_od, GROUP, HEAD_DIM, MERGE_ROWS, MERGE_COLS,
+                          MERGE_CHUNK)
