@@ -10,9 +10,8 @@ per-byte cost and the two kernels from each other: (1) the full call under CUDA 
 0..32768 x forced split counts (ctx 0 gives the fixed cost; a forced count of 1 is the single-pass
 kernel, no merge); (2) per-kernel device time of the split kernel and of the merge (torch.profiler,
 eager, as bench/latency_ablation.py's breakdowns) at the default split count, with PDL on and off,
-next to the graph time of the same call; (3) the split path's launch configs (`CONFIGS`: the merge
-in the split kernel against the merge kernel) at ctx 2048..32768, for B 1 and other split batches
-(`TILE_CASES`). Timing and
+next to the graph time of the same call; (3) the split path's launch configs (merge tiles and
+chunk, `CONFIGS`) at `TILE_CONTEXTS`, for B 1 and a few other split batches (`TILE_CASES`). Timing and
 inputs are bench/context_attention.py's (graphs over rotated input sets, median of replays). Writes
 DIR/context_latency.{json,md}.
 """
@@ -47,13 +46,13 @@ ROWS_PAD = max(16, triton.next_power_of_2(cab.NUM_Q * cab.GROUP))
 CONTEXTS = (0, 128, 1024, 4096, 8192, 32768)
 SPLITS = (None, 1, 4, 8, 16, 32, 64)  # None: the public path's own plan (>= 128 keys per split)
 BREAKDOWN_CONTEXTS = (8192, 32768)
-# split-path configs: the split kernel's tiles were all slower than 64 / 4 / 3 (a94d6fb) and merge tiles
-# other than 16 x 32 x 32 splits per step too (context_latency_merge.md, 2a2f7cb); here the merge in the
-# split kernel's last programs against the merge kernel
-CONFIGS = [ca.LaunchConfig(64, 4, 3), ca.LaunchConfig(64, 4, 3, fused_merge_chunk=8),
-           ca.LaunchConfig(64, 4, 3, fused_merge=False)]
-TILE_CASES = [(1, 4), (1, 8), (4, 4), (4, 8), (16, 4), (16, 8)]  # (B, NKV) on the split path
-TILE_CONTEXTS = (2048, 8192, 32768)
+# split-path configs: the split kernel's tiles were all slower than 64 / 4 / 3 (a94d6fb); here the merge's
+# tile and chunk (splits folded per step); 16 x 32 x 32 was the fastest (context_latency_merge.md, 2a2f7cb)
+CONFIGS = [ca.LaunchConfig(64, 4, 3),
+           *(ca.LaunchConfig(64, 4, 3, merge_rows=r, merge_cols=c, merge_chunk=k)
+             for r, c, k in ((16, 16, 32), (16, 64, 32), (32, 32, 32)))]
+TILE_CASES = [(1, 4), (1, 8), (4, 8), (16, 4)]  # (B, NKV) on the split path
+TILE_CONTEXTS = (8192,)
 
 
 def context_sets(ctx, device, gen):
@@ -172,21 +171,17 @@ def markdown(result) -> str:
     lines += ["", "All kernels seen: " + "; ".join(f"ctx {r['ctx']} {r['pdl']}: {r['kernels_us']}"
                                                  for r in result["breakdown"]), "",
               "## 3. Split path launch configs (grid splits as planned)", "",
-              "`fused` merges in the split kernel's last programs, `kernel` launches the merge kernel.", "",
-              "| B | NKV | ctx | splits | block_n | warps | stages | merge | merge rows x cols "
-              "| chunk (fused) "
+              "| B | NKV | ctx | splits | block_n | warps | stages | merge rows x cols | merge chunk "
               "| us | GB/s | note |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["tiles"]:
         c, us = r["config"], r.get("us")
         note = "default" if r["default"] else ""
         note = f"{note} {r.get('skipped', '')}".strip()
         gbps = None if us is None else r["kv_bytes"] / us / 1e3
-        merge = "fused" if c.get("fused_merge") else "kernel"
         lines.append(f"| {r['batch']} | {r['nkv']} | {r.get('ctx', 8192)} | {r['splits']} | {c['block_n']} | "
-                     f"{c['num_warps']} | {c['num_stages']} | {merge} | "
-                     f"{c['merge_rows']} x {c['merge_cols']} | "
-                     f"{c['merge_chunk']} ({c.get('fused_merge_chunk', '-')}) | "
+                     f"{c['num_warps']} | {c['num_stages']} | {c['merge_rows']} x {c['merge_cols']} | "
+                     f"{c['merge_chunk']} | "
                      f"{fmt(us)} | {fmt(gbps, '.0f')} | {note} |")
     return "\n".join(lines) + "\n"
 

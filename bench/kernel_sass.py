@@ -70,14 +70,13 @@ def context_build(args):
     cache = CACHE_TYPES[args.cache]
     pointers = dict(q_ptr="*bf16", k_cache_ptr=f"*{cache}", v_cache_ptr=f"*{cache}", block_table_ptr="*i32",
                     ctx_lens_ptr="*i32", k_noise_ptr="*bf16", v_noise_ptr="*bf16", out_ptr="*bf16",
-                    part_acc_ptr="*fp32", part_lse_ptr="*fp32", counters_ptr="*i32")
+                    part_acc_ptr="*fp32", part_lse_ptr="*fp32")
     fp8 = args.cache == "fp8"
     constexprs = dict(GROUP=4, HEAD_DIM=128, TOKENS_PER_BLOCK=32, ROWS=args.rows, NOISE_PAD=16,
                       BLOCK_N=args.tile[2], SPLIT=args.split, K_SCALE_MODE=1 if fp8 else 0,
                       V_SCALE_MODE=1 if fp8 else 0, COMPUTE=tl.float16 if fp8 else tl.bfloat16,
                       NOISE_COMPUTE=tl.bfloat16, NARROW_Q=fp8, PRECISION="tf32", USE_PDL=True,
-                      FP8_CVT_ASM=args.cvt_asm, FP8_Q=fp8 and args.fp8_q, FUSED_MERGE=args.split,
-                      MERGE_ROWS=16, MERGE_COLS=32, MERGE_CHUNK=16)
+                      FP8_CVT_ASM=args.cvt_asm, FP8_Q=fp8 and args.fp8_q)
     # the head-dim strides are 1, which Triton's launcher specialises as constants
     constexprs.update({f"stride_{t}d": 1 for t in ("q", "k", "v", "nk", "nv", "o")})
     return "kernels/context_attention_kernel.py", "_context_attention_kernel", pointers, constexprs

@@ -8,8 +8,7 @@ are packed into one tile so every K/V tile is read once per KV head.
 Two paths over one kernel:
 - split (small batches): grid (NKV, B, max_splits); each request takes a length-aware number of
   splits decided on the device (`kernels.split_kv`); a one-split request is finished by split 0,
-  otherwise the partials and the noise keys are merged by the item's last programs to finish
-  (`LaunchConfig.fused_merge`) or by a merge kernel.
+  otherwise a merge kernel folds the partials and the noise keys into the output.
 - single pass (the batch alone fills the GPU): grid (NKV, B); context then noise, output direct.
 The grid depends on B only, and the split count is a runtime argument: a CUDA graph captured
 once replays for any context lengths, and a new batch size does not recompile.
@@ -55,16 +54,12 @@ class LaunchConfig:
     merge_rows: int = 16  # rows x columns of one merge program: 16 x 32 was 4-9% faster per call than
     merge_cols: int = 32  # 16 x 16 at B 1-16 (split path, ctx 8192; bench/results/context_latency_merge.md)
     merge_chunk: int = 32  # splits one merge step loads at once
-    # The split path merges in its own last programs (no merge kernel); False launches the merge kernel.
-    fused_merge: bool = True
-    # splits one step of that merge loads: 32 made the split kernel spill registers (offline sm_90 build)
-    fused_merge_chunk: int = 16
 
 
 def default_config(rows_pad: int, cache_dtype: torch.dtype, device: torch.device) -> LaunchConfig:
     """Measured on an H200 (bench/results/context_attention_run3.md, tile sweep)."""
     if device.type != "cuda":  # the interpreter: small tiles run faster in numpy
-        return LaunchConfig(block_n=32, num_warps=4, num_stages=1, merge_chunk=4, fused_merge_chunk=4)
+        return LaunchConfig(block_n=32, num_warps=4, num_stages=1, merge_chunk=4)
     if rows_pad >= 128:  # a 128 x D fp32 accumulator wants 8 warps' registers
         return LaunchConfig(block_n=64, num_warps=8, num_stages=2)
     if cache_dtype == FP8:  # half the bytes per tile: longer tiles amortise the widening to 16 bit
@@ -103,18 +98,6 @@ def _operands(q: torch.Tensor, cache_dtype: torch.dtype, v_scale, rows: int) -> 
                     operands.narrows_q(context, q.dtype), fp8_q)
 
 
-def _mergers(num_items: int, max_splits: int, num_tiles: int, device: torch.device) -> int:
-    """Programs of each work item that share its fused merge (they wait for the item's other splits).
-
-    Fewer waiting programs than SMs in all, so one slot always stays free for a program still to
-    run: the wait cannot deadlock however many programs the grid holds. On CPU the interpreter runs
-    programs one after another, so only the last one may wait.
-    """
-    if device.type != "cuda":
-        return 1
-    return max(1, min(num_tiles, max_splits, (split_kv.num_sms(device) - 1) // num_items))
-
-
 def _launch_context_attention(q, k_cache, v_cache, block_table, ctx_lens, k_noise, v_noise, out,
                               scale, k_scale, v_scale, max_splits, min_tokens, config: LaunchConfig):
     """Grid, tiles and (on the split path) partial buffers and the merge; only launches.
@@ -128,16 +111,12 @@ def _launch_context_attention(q, k_cache, v_cache, block_table, ctx_lens, k_nois
     noise_pad = max(16, triton.next_power_of_2(num_q))
     merge_rows, merge_cols = min(config.merge_rows, rows_pad), min(config.merge_cols, head_dim)
     num_tiles = rows_pad // merge_rows * (head_dim // merge_cols)
-    num_items = batch * num_kv_heads
     split = max_splits > 1
-    fused = split and config.fused_merge
     if split:
-        part_acc, part_lse = split_kv.alloc_partials(num_items * rows_pad, max_splits, head_dim, q.device)
+        part_acc, part_lse = split_kv.alloc_partials(batch * num_kv_heads * rows_pad, max_splits, head_dim,
+                                                     q.device)
     else:
         part_acc = part_lse = out  # unused by the single-pass variant
-    # arrivals [items] then finished mergers [items], zero between calls
-    counters = split_kv.arrival_counters(2 * num_items, q.device) if fused else ctx_lens
-    mergers = _mergers(num_items, max_splits, num_tiles, q.device) if fused else 1
     k_arg, k_mode = scale_argument(k_scale)
     v_arg, v_mode = scale_argument(v_scale)
     dots = _operands(q, k_cache.dtype, v_scale, rows_pad)
@@ -146,19 +125,17 @@ def _launch_context_attention(q, k_cache, v_cache, block_table, ctx_lens, k_nois
     part_strides = (part_acc.stride(0), part_acc.stride(1), part_lse.stride(0), part_lse.stride(1)) if split \
         else (0, 0, 0, 0)
     _context_attention_kernel[(num_kv_heads, batch, max_splits)](
-        q, k_cache, v_cache, block_table, ctx_lens, k_noise, v_noise, out, part_acc, part_lse, counters,
-        k_arg, v_arg, sm_scale_log2, num_q, max_splits, min_tokens, mergers,
+        q, k_cache, v_cache, block_table, ctx_lens, k_noise, v_noise, out, part_acc, part_lse,
+        k_arg, v_arg, sm_scale_log2, num_q, max_splits, min_tokens,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), block_table.stride(0),
         *k_noise.stride(), *v_noise.stride(), *out.stride(), *part_strides,
         GROUP=group, HEAD_DIM=head_dim, TOKENS_PER_BLOCK=tokens_per_block, ROWS=rows_pad,
         NOISE_PAD=noise_pad, BLOCK_N=config.block_n, SPLIT=split, K_SCALE_MODE=k_mode,
         V_SCALE_MODE=v_mode, COMPUTE=dots.context, NOISE_COMPUTE=dots.noise, NARROW_Q=dots.narrow_q,
         PRECISION=dots.precision, USE_PDL=use_pdl, FP8_CVT_ASM=operands.fp8_cvt_asm(q.device),
-        FP8_Q=dots.fp8_q, FUSED_MERGE=fused, MERGE_ROWS=merge_rows, MERGE_COLS=merge_cols,
-        MERGE_CHUNK=config.fused_merge_chunk,
-        num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=use_pdl,
+        FP8_Q=dots.fp8_q, num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=use_pdl,
     )
-    if split and not fused:
+    if split:
         _context_merge_kernel[(num_tiles, num_kv_heads, batch)](
             q, k_noise, v_noise, part_acc, part_lse, ctx_lens, out, sm_scale_log2, num_q, max_splits,
             min_tokens, *q.stride(), *k_noise.stride(), *v_noise.stride(), *part_strides, *out.stride(),

@@ -6,11 +6,11 @@ in the pool's pages and the Q noise keys. `_context_attention_kernel` runs on a 
 (NKV, B, max_splits): without SPLIT one program per (head, request) folds its context and the
 noise and writes the output. With SPLIT each program takes its share of a length-aware split count
 decided on the device (`kernels.split_kv`). A request whose context takes one split is finished by
-split 0 alone, like the single pass. Otherwise every split writes a partial state, and the merge
-runs in [MERGE_ROWS, MERGE_COLS] tiles of the output that also fold the noise keys: either in the
-same kernel (FUSED_MERGE: the last `mergers` programs of a work item to finish wait for the rest and
-share its tiles; no second launch) or in `_context_merge_kernel`, which folds the noise before it
-waits for the split kernel (PDL), off the critical path.
+split 0 alone, like the single pass. Otherwise every split writes a partial state, and
+`_context_merge_kernel` merges them in [MERGE_ROWS, MERGE_COLS] tiles of the output that also fold
+the noise keys, read before it waits for the split kernel (PDL). (A merge in the split kernel's
+own last programs, which waited for the other splits, measured 7-24% slower at every split batch:
+bench/results/context_latency_fused_merge.md.)
 
 Scores live in log2 units (scale * log2(e) folded into one multiplier) so the softmax uses exp2.
 fp8 context: k_scale joins the score multiplier of the context keys, v_scale multiplies the
@@ -24,14 +24,11 @@ import triton.language as tl
 
 from kernels import operands, pdl
 from kernels.split_kv import (
-    arrive,
     combine_states,
     finalize_state,
-    leave_merge,
     merge_partial_chunks,
     num_splits_for,
     split_bounds,
-    wait_for_arrivals,
 )
 
 
@@ -154,8 +151,8 @@ def _noise_tile_state(tile, b64, kvh, q_ptr, k_noise_ptr, v_noise_ptr, num_q, no
                       GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, MERGE_ROWS: tl.constexpr,
                       MERGE_COLS: tl.constexpr, NOISE_PAD: tl.constexpr, NOISE_COMPUTE: tl.constexpr,
                       PRECISION: tl.constexpr):
-    """The noise keys' running state for one merge tile: needs no partial, so a merge computes it
-    before waiting for the splits."""
+    """The noise keys' running state for one merge tile: it needs no partial, so the merge computes
+    it before waiting for the split kernel."""
     rows, row_mask, cols = _merge_tile_rows_cols(tile, num_q, GROUP, HEAD_DIM, MERGE_ROWS, MERGE_COLS)
     qn = _load_rows(q_ptr, b64, kvh, rows, row_mask, num_q, stride_qb, stride_qq, stride_qh, stride_qd,
                     GROUP, HEAD_DIM).to(NOISE_COMPUTE)
@@ -185,11 +182,11 @@ def _merge_tile_store(tile, acc_n, m_n, l_n, b64, kvh, item_row0, part_acc_ptr, 
                 GROUP)
 
 
-@triton.jit(do_not_specialize=["max_splits", "mergers"])
+@triton.jit(do_not_specialize=["max_splits"])
 def _context_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, ctx_lens_ptr, k_noise_ptr, v_noise_ptr,
-    out_ptr, part_acc_ptr, part_lse_ptr, counters_ptr, k_scale, v_scale, sm_scale_log2,
-    num_q, max_splits, min_tokens_per_split, mergers,
+    out_ptr, part_acc_ptr, part_lse_ptr, k_scale, v_scale, sm_scale_log2,
+    num_q, max_splits, min_tokens_per_split,
     stride_qb, stride_qq, stride_qh, stride_qd,
     stride_kb, stride_kt, stride_kh, stride_kd,
     stride_vb, stride_vt, stride_vh, stride_vd,
@@ -203,8 +200,6 @@ def _context_attention_kernel(
     K_SCALE_MODE: tl.constexpr, V_SCALE_MODE: tl.constexpr,
     COMPUTE: tl.constexpr, NOISE_COMPUTE: tl.constexpr, NARROW_Q: tl.constexpr, PRECISION: tl.constexpr,
     USE_PDL: tl.constexpr, FP8_CVT_ASM: tl.constexpr, FP8_Q: tl.constexpr,
-    FUSED_MERGE: tl.constexpr, MERGE_ROWS: tl.constexpr, MERGE_COLS: tl.constexpr,
-    MERGE_CHUNK: tl.constexpr,
 ):
     kvh = tl.program_id(0)
     b = tl.program_id(1)
@@ -282,32 +277,10 @@ def _context_attention_kernel(
                     stride_ob, stride_oq, stride_oh, stride_od, GROUP)
     elif SPLIT:
         state, lse = finalize_state(acc, m_i, l_i)
-        item = b * tl.num_programs(0) + kvh
-        item_row0 = item.to(tl.int64) * ROWS
+        item_row0 = (b64 * tl.num_programs(0) + kvh) * ROWS
         tl.store(part_acc_ptr + (item_row0 + rows)[:, None] * stride_pr + split * stride_ps + dims[None, :],
                  state, mask=active[:, None])
         tl.store(part_lse_ptr + (item_row0 + rows) * stride_lr + split * stride_ls, lse, mask=active)
-        if FUSED_MERGE:  # a constexpr test: no counter traffic without it
-            # every program of the item arrives (empty splits at once); the last `mergers` to arrive
-            # wait for the rest and share the merge tiles, the noise folded before the wait
-            ticket = arrive(counters_ptr + item)
-            first_merger = max_splits - mergers
-            if ticket >= first_merger:
-                num_tiles: tl.constexpr = ROWS // MERGE_ROWS * (HEAD_DIM // MERGE_COLS)
-                for tile in range(ticket - first_merger, num_tiles, mergers):
-                    acc_n, m_n, l_n = _noise_tile_state(
-                        tile, b64, kvh, q_ptr, k_noise_ptr, v_noise_ptr, num_q, sm_scale_log2,
-                        stride_qb, stride_qq, stride_qh, stride_qd, stride_nkb, stride_nkq, stride_nkh,
-                        stride_nkd, stride_nvb, stride_nvq, stride_nvh, stride_nvd, GROUP, HEAD_DIM,
-                        MERGE_ROWS, MERGE_COLS, NOISE_PAD, NOISE_COMPUTE, PRECISION)
-                    if tile < mergers:  # this program's first tile: wait for every split once
-                        wait_for_arrivals(counters_ptr + item, max_splits)
-                    _merge_tile_store(tile, acc_n, m_n, l_n, b64, kvh, item_row0, part_acc_ptr, part_lse_ptr,
-                                      out_ptr, num_q, count, stride_pr, stride_ps, stride_lr, stride_ls,
-                                      stride_ob, stride_oq, stride_oh, stride_od, GROUP, HEAD_DIM, MERGE_ROWS,
-                                      MERGE_COLS, MERGE_CHUNK)
-                num_items = tl.num_programs(0) * tl.num_programs(1)
-                leave_merge(counters_ptr + item, counters_ptr + num_items + item, mergers)
 
 
 @triton.jit(do_not_specialize=["max_splits"])

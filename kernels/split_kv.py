@@ -41,9 +41,6 @@ Device helpers (``@triton.jit``, call them from your kernels)
     ``fold_state(acc, m_i, l_i, acc_x, lse_x) -> (acc, m_i, l_i)``: fold one more normalised dense state
     ``arrive_last(counter_ptr, count) -> bool``: after storing its partials, True in the last of
     the work item's `count` splits to finish, which may then merge them in the same kernel
-    ``arrive(counter_ptr) -> ticket``, ``wait_for_arrivals(counter_ptr, expected)``,
-    ``leave_merge(counter_ptr, done_ptr, mergers)``: the last `mergers` arrivals of a work item
-    wait for the rest, share its merge, and leave the counters at zero
     ``combine_states(acc_a, m_a, l_a, acc_b, m_b, l_b)``: two unnormalised states into one
 
 A split kernel, in outline (grid: work items x max_splits)::
@@ -187,41 +184,6 @@ def arrive_last(counter_ptr, count):
     if last:
         tl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="gpu")
     return last
-
-
-@triton.jit
-def arrive(counter_ptr):
-    """Count this program in at its work item's counter; returns its ticket (0 = first to arrive).
-
-    Call it after the program's partial stores (the barrier orders every thread's stores before the
-    single-thread release). With `wait_for_arrivals` and `leave_merge` it lets the last few arrivals
-    of a work item merge its partials together in the same kernel (`kernels.context_attention`).
-    """
-    tl.debug_barrier()
-    return tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
-
-
-@triton.jit
-def wait_for_arrivals(counter_ptr, expected):
-    """Spin until `expected` programs have arrived; the acquire makes their partials visible.
-
-    Only the last few arrivals of a work item may wait (the launcher keeps waiting programs fewer
-    than the SMs, so a free slot always remains for the programs still to come: no deadlock even
-    when the grid does not fit on the GPU at once).
-    """
-    seen = tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
-    while seen < expected:
-        seen = tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
-
-
-@triton.jit
-def leave_merge(counter_ptr, done_ptr, mergers):
-    """Each of a work item's `mergers` waiting programs calls this once past `wait_for_arrivals`;
-    the last of them resets both counters to 0, so they are zero for the next call (no memset)."""
-    ticket = tl.atomic_add(done_ptr, 1, sem="acq_rel", scope="gpu")
-    if ticket == mergers - 1:
-        tl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="gpu")
-        tl.atomic_xchg(done_ptr, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit

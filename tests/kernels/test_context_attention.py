@@ -4,14 +4,13 @@ On CPU the Triton kernel runs under the interpreter (tests/conftest.py); the sam
 compiled on a GPU, where the `gpu` tests add bf16 / fp8 at realistic sizes and CUDA graphs.
 """
 
-import dataclasses
 from unittest import mock
 
 import pytest
 import torch
 
 import kernels
-from kernels import context_attention, context_attention_kernel, operands, split_kv
+from kernels import context_attention_kernel, operands
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FP8 = torch.float8_e4m3fn
@@ -84,21 +83,6 @@ def run_kernel(case, **kwargs):
     return out
 
 
-@pytest.fixture(params=[True, False], ids=["fused_merge", "merge_kernel"])
-def merge_path(request):
-    """Both merges of the split path: in the split kernel's last programs, or a merge kernel."""
-    default = context_attention.default_config
-    with mock.patch.object(context_attention, "default_config",
-                           lambda *args: dataclasses.replace(default(*args), fused_merge=request.param)):
-        yield request.param
-
-
-def assert_counters_zero(num_items, device):
-    """Fused merges leave the shared arrival counters at zero for the next call (or graph replay)."""
-    counters = split_kv.arrival_counters(2 * num_items, torch.device(device))
-    assert int(counters[: 2 * num_items].abs().sum()) == 0, counters[: 2 * num_items].tolist()
-
-
 def assert_matches(got, want, dtype):
     got = got.cpu().double()
     assert not got.isnan().any(), "unwritten or NaN output"
@@ -125,45 +109,29 @@ def test_matches_float64_over_odd_lengths(num_q, group, head_dim, tpb, dtype):
 
 
 @pytest.mark.parametrize("num_splits", [2, 3, 8])
-def test_forced_splits_with_empty_splits(num_splits, merge_path):
+def test_forced_splits_with_empty_splits(num_splits):
     # 8 splits over 0..3 tiles: most splits are empty, and ctx 0 has only the noise suffix
     case = make_case([0, 20, 45, 100], 2, 4, 2, 32, 16, torch.float32, seed=40 + num_splits)
     assert_matches(run_kernel(case, num_splits=num_splits), oracle(case), torch.float32)
-    assert_counters_zero(4 * 2, DEVICE)
 
 
-def test_default_plan_splits_a_long_context(merge_path):
+def test_default_plan_splits_a_long_context():
     # one request x 2 KV heads is under the SM count: the default plan splits it on the device;
     # 20 rows pad to 32, two merge tiles of 16 rows (the noise folded into each)
     case = make_case([700], 5, 4, 2, 32, 32, torch.float32, seed=7)
     num_items = 1 * 2
     assert kernels.split_kv.plan_max_splits(num_items, case["q"].device) > 1
     assert_matches(run_kernel(case), oracle(case), torch.float32)
-    assert_counters_zero(num_items, DEVICE)
 
 
-def test_one_split_requests_finish_in_split_zero(merge_path):
+def test_one_split_requests_finish_in_split_zero():
     # contexts under two splits' worth of keys take one split: split 0 writes the output itself, next
-    # to a request that splits; a merge kernel must leave those outputs alone
+    # to a request that splits; the merge kernel must leave those outputs alone
     case = make_case([3, 700, 0], 3, 4, 1, 32, 16, torch.float32, seed=8)
     max_splits = kernels.split_kv.plan_max_splits(3, case["q"].device)
     min_tokens = kernels.split_kv.min_tokens_per_split(16)
     assert max_splits > 1 and 700 // min_tokens > 1
     assert_matches(run_kernel(case), oracle(case), torch.float32)
-    assert_counters_zero(3, DEVICE)
-
-
-def test_fused_merge_waiters_stay_under_the_sm_count():
-    # the programs that wait for their item's other splits never fill the GPU (no deadlock)
-    cuda = torch.device("cuda")
-    with mock.patch.object(split_kv, "num_sms", lambda device: 132):
-        assert context_attention._mergers(4, 64, 16, cuda) == 16  # B 1, NKV 4: 16 tiles, one each
-        assert context_attention._mergers(64, 4, 16, cuda) == 2   # 64 items x 2 waiters = 128 < 132
-        assert context_attention._mergers(131, 2, 16, cuda) == 1
-        assert context_attention._mergers(8, 3, 16, cuda) == 3    # never more than the splits
-        for items in range(1, 132):
-            assert items * context_attention._mergers(items, 64, 64, cuda) < 132
-    assert context_attention._mergers(1, 64, 16, torch.device("cpu")) == 1  # interpreter: one at a time
 
 
 def test_fp8_context_with_scales():
@@ -256,28 +224,12 @@ def test_rejects_bad_options():
 @pytest.mark.gpu
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, FP8])
 @pytest.mark.parametrize("num_splits", [None, 1, 16])
-def test_gpu_realistic_bf16(cache_dtype, num_splits, merge_path):
+def test_gpu_realistic_bf16(cache_dtype, num_splits):
     scales = {"k_scale": 0.8, "v_scale": torch.tensor(1.3, device="cuda")} if cache_dtype == FP8 else {}
     lens = [0, 1000, 4133, 64]
     case = make_case(lens, 16, 4, 4, 128, 32, torch.bfloat16, cache_dtype, seed=77, **scales)
     got = run_kernel(case, num_splits=num_splits, **scales)
     assert_matches(got, oracle(case, **scales), torch.bfloat16)
-    assert_counters_zero(4 * 4, "cuda")
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize(("lens", "num_kv_heads"), [([8000], 4), ([8000], 8), ([5000, 40, 0, 2600] * 2, 8)])
-def test_gpu_fused_merge_with_many_waiting_programs(lens, num_kv_heads):
-    # B 1: 16 merge tiles shared by 16 (NKV 4) or 16 (NKV 8) waiting programs per item; B 8 x NKV 8:
-    # 2 per item, 8 tiles each, next to one-split requests; repeated calls reuse the zeroed counters
-    case = make_case(lens, 16, 4, num_kv_heads, 128, 32, torch.bfloat16, seed=len(lens) + num_kv_heads)
-    items = len(lens) * num_kv_heads
-    max_splits = split_kv.plan_max_splits(items, case["q"].device)
-    assert context_attention._mergers(items, max_splits, 16, case["q"].device) > 1
-    want = oracle(case)
-    for _ in range(3):
-        assert_matches(run_kernel(case), want, torch.bfloat16)
-        assert_counters_zero(items, "cuda")
 
 
 @pytest.mark.gpu
@@ -321,7 +273,7 @@ def test_gpu_fp8_context_at_small_head_dims(head_dim):
 
 
 @pytest.mark.gpu
-def test_gpu_graph_replays_at_other_lengths(merge_path):
+def test_gpu_graph_replays_at_other_lengths():
     case = make_case([3000, 3000, 3000], 16, 4, 4, 128, 32, torch.bfloat16, seed=5)  # full tables
     ctx_lens = case["ctx_lens"]
     ctx_lens.copy_(torch.tensor([3000, 100, 0], dtype=torch.int32))  # the lengths at capture
