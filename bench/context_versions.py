@@ -82,8 +82,8 @@ def markdown(result) -> str:
              f"triton {result['triton']}. "
              f"Command: `{result['command']}`.", "",
              f"D {cab.HEAD_DIM}, Q {cab.NUM_Q}, group {cab.GROUP}, {cab.TPB}-token pages; us per call "
-             "under CUDA graphs (median of replays, inputs rotated past L2); error: relative L2 against the torch "
-             "reference (first input set).", "",
+             "under CUDA graphs (median of replays, inputs rotated past L2); error: relative L2 "
+             "against the torch reference (first input set).", "",
              "| cache | NKV | B | ctx | base us | now us | now / base | error base | error now |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
