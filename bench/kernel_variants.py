@@ -63,22 +63,14 @@ CONTEXT_CASES = [
 ]
 # (name, cache, q_len, B, ctx, tiles or None for the default, num_splits or None for the plan)
 SHAPE_VARIANTS = [  # earlier sets are in bench/results/kernel_variants_*.json
-    # key lanes (per-warp softmax states): 4 lanes of 32 keys took fp8 decode B 128 6% faster, 64-key
-    # lanes were 5-16% slower (kernel_variants_11_key_lanes.md); which tiles and regimes gain
-    ("fp8 decode, 4 lanes, 3 stages", "fp8", 1, 128, 8192, TileConfig(4, 16, 128, 4, 3, 4), None),
-    ("fp8 decode, 4 lanes, 256 keys", "fp8", 1, 128, 8192, TileConfig(4, 16, 256, 4, 2, 4), None),
-    ("fp8 decode, 2 lanes", "fp8", 1, 128, 8192, TileConfig(4, 16, 128, 4, 2, 2), None),
-    ("fp8 decode, 8 lanes, 8 warps, 256 keys", "fp8", 1, 128, 8192, TileConfig(4, 16, 256, 8, 2, 8), None),
-    ("fp8 decode, 4 lanes", "fp8", 1, 32, 8192, TileConfig(4, 16, 128, 4, 2, 4), None),
-    ("fp8 decode, 4 lanes", "fp8", 1, 32, 2048, TileConfig(4, 16, 128, 4, 2, 4), None),
-    ("fp8 decode, 4 lanes", "fp8", 1, 1, 8192, TileConfig(4, 16, 128, 4, 2, 4), None),
-    ("fp8 q_len 4, 4 lanes", "fp8", 4, 32, 8192, TileConfig(4, 16, 128, 4, 2, 4), None),
-    ("fp8 q_len 8, 4 lanes", "fp8", 8, 128, 8192, TileConfig(8, 32, 128, 4, 2, 4), None),
-    ("fp8 q_len 8, 4 lanes", "fp8", 8, 32, 8192, TileConfig(8, 32, 128, 4, 2, 4), None),
-    ("bf16 decode, 4 lanes", "bf16", 1, 128, 8192, TileConfig(4, 16, 128, 4, 3, 4), None),
-    ("bf16 decode, 4 lanes, 2 stages", "bf16", 1, 128, 8192, TileConfig(4, 16, 128, 4, 2, 4), None),
-    ("bf16 decode, 4 lanes", "bf16", 1, 32, 2048, TileConfig(4, 16, 128, 4, 3, 4), None),
-    ("bf16 q_len 8, 4 lanes", "bf16", 8, 32, 8192, TileConfig(8, 32, 128, 4, 3, 4), None),
+    # the tiles before fp8 decode-size tiles took key lanes (`with_key_lanes`), next to the new default
+    ("fp8 decode, no key lanes (before)", "fp8", 1, 32, 2048, TileConfig(4, 16, 128, 4, 2), None),
+    ("fp8 decode, no key lanes (before)", "fp8", 1, 32, 8192, TileConfig(4, 16, 128, 4, 2), None),
+    ("fp8 decode, no key lanes (before)", "fp8", 1, 32, 32768, TileConfig(4, 16, 128, 4, 2), None),
+    ("fp8 decode, no key lanes (before)", "fp8", 1, 128, 2048, TileConfig(4, 16, 128, 4, 2), None),
+    ("fp8 decode, no key lanes (before)", "fp8", 1, 128, 8192, TileConfig(4, 16, 128, 4, 2), None),
+    ("fp8 decode, no key lanes (before)", "fp8", 1, 256, 32768, TileConfig(4, 16, 128, 4, 2), None),
+    ("fp8 q_len 4, no key lanes (before)", "fp8", 4, 32, 8192, TileConfig(4, 16, 128, 4, 2), None),
 ]
 
 

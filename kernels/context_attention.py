@@ -7,8 +7,9 @@ are packed into one tile so every K/V tile is read once per KV head.
 
 Two paths over one kernel:
 - split (small batches): grid (NKV, B, max_splits); each request takes a length-aware number of
-  splits decided on the device (`kernels.split_kv`); a one-split request is finished by split 0,
-  otherwise a merge kernel folds the partials and the noise keys into the output.
+  splits decided on the device (`kernels.split_kv`); split 0 also folds the noise suffix, so its
+  partial state always holds at least Q keys; a one-split request is finished by split 0 alone,
+  otherwise a merge kernel folds the partials into the output.
 - single pass (the batch alone fills the GPU): grid (NKV, B); context then noise, output direct.
 The grid depends on B only, and the split count is a runtime argument: a CUDA graph captured
 once replays for any context lengths, and a new batch size does not recompile.
@@ -137,11 +138,9 @@ def _launch_context_attention(q, k_cache, v_cache, block_table, ctx_lens, k_nois
     )
     if split:
         _context_merge_kernel[(num_tiles, num_kv_heads, batch)](
-            q, k_noise, v_noise, part_acc, part_lse, ctx_lens, out, sm_scale_log2, num_q, max_splits,
-            min_tokens, *q.stride(), *k_noise.stride(), *v_noise.stride(), *part_strides, *out.stride(),
-            GROUP=group, HEAD_DIM=head_dim, ROWS=rows_pad, NOISE_PAD=noise_pad, MERGE_ROWS=merge_rows,
-            MERGE_COLS=merge_cols, MERGE_CHUNK=config.merge_chunk, NOISE_COMPUTE=dots.noise,
-            PRECISION=dots.precision, USE_PDL=use_pdl, num_warps=4, launch_pdl=use_pdl,
+            part_acc, part_lse, ctx_lens, out, num_q, max_splits, min_tokens, *part_strides, *out.stride(),
+            GROUP=group, HEAD_DIM=head_dim, ROWS=rows_pad, MERGE_ROWS=merge_rows, MERGE_COLS=merge_cols,
+            MERGE_CHUNK=config.merge_chunk, USE_PDL=use_pdl, num_warps=4, launch_pdl=use_pdl,
         )
     return out
 

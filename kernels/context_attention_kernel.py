@@ -5,12 +5,13 @@ to a power of two >= 16) attend, with ONE softmax and no mask, over the ctx_lens
 in the pool's pages and the Q noise keys. `_context_attention_kernel` runs on a grid
 (NKV, B, max_splits): without SPLIT one program per (head, request) folds its context and the
 noise and writes the output. With SPLIT each program takes its share of a length-aware split count
-decided on the device (`kernels.split_kv`). A request whose context takes one split is finished by
-split 0 alone, like the single pass. Otherwise every split writes a partial state, and
-`_context_merge_kernel` merges them in [MERGE_ROWS, MERGE_COLS] tiles of the output that also fold
-the noise keys, read before it waits for the split kernel (PDL). (A merge in the split kernel's
-own last programs, which waited for the other splits, measured 7-24% slower at every split batch:
-bench/results/context_latency_fused_merge.md.)
+decided on the device (`kernels.split_kv`); split 0 also folds the noise keys. A request whose
+context takes one split is finished by split 0 alone, like the single pass (B 1, ctx 0 / 128:
+5.8 / 8.6 -> 3.7 / 6.7 us, bench/results/context_versions_noise_in_merge.md); otherwise every
+split writes a partial state and `_context_merge_kernel` folds them into the output. Tried and
+not kept (same results directory): the merge in the split kernel's own last programs, waiting for
+the other splits (7-24% slower, context_latency_fused_merge.md), and the noise keys folded by the
+merge kernel before its PDL wait (4-15% slower at B 4-16, context_versions_noise_in_merge.md).
 
 Scores live in log2 units (scale * log2(e) folded into one multiplier) so the softmax uses exp2.
 fp8 context: k_scale joins the score multiplier of the context keys, v_scale multiplies the
@@ -23,13 +24,7 @@ import triton
 import triton.language as tl
 
 from kernels import operands, pdl
-from kernels.split_kv import (
-    combine_states,
-    finalize_state,
-    merge_partial_chunks,
-    num_splits_for,
-    split_bounds,
-)
+from kernels.split_kv import finalize_state, merge_partial_chunks, num_splits_for, split_bounds
 
 
 @triton.jit
@@ -106,25 +101,6 @@ def _load_rows(q_ptr, b64, kvh, rows, row_mask, num_q, stride_qb, stride_qq, str
 
 
 @triton.jit
-def _fold_noise(acc, m_i, l_i, qn, k_noise_ptr, v_noise_ptr, b64, kvh, cols, num_q, noise_scale,
-                stride_nkb, stride_nkq, stride_nkh, stride_nkd,
-                stride_nvb, stride_nvq, stride_nvh, stride_nvd,
-                HEAD_DIM: tl.constexpr, NOISE_PAD: tl.constexpr, NOISE_COMPUTE: tl.constexpr,
-                PRECISION: tl.constexpr):
-    """Fold all Q dense noise keys into the state of rows qn [R, D] (NOISE_COMPUTE), output columns
-    `cols` [C] (acc [R, C]); the noise keys are q's dtype and unscaled."""
-    dims = tl.arange(0, HEAD_DIM)
-    js = tl.arange(0, NOISE_PAD)
-    j_mask = js < num_q
-    kn = tl.load(k_noise_ptr + b64 * stride_nkb + js[:, None] * stride_nkq + kvh * stride_nkh
-                 + dims[None, :] * stride_nkd, mask=j_mask[:, None], other=0.0)
-    vn = tl.load(v_noise_ptr + b64 * stride_nvb + js[:, None] * stride_nvq + kvh * stride_nvh
-                 + cols[None, :] * stride_nvd, mask=j_mask[:, None], other=0.0)
-    return _attend_tile(qn, qn, kn.to(NOISE_COMPUTE), vn.to(NOISE_COMPUTE), j_mask, acc, m_i, l_i,
-                        noise_scale, 0.0, True, False, NOISE_COMPUTE, PRECISION, False)
-
-
-@triton.jit
 def _store_rows(out_ptr, state, b64, kvh, rows, row_mask, cols, stride_ob, stride_oq, stride_oh, stride_od,
                 GROUP: tl.constexpr):
     heads = kvh * GROUP + rows % GROUP
@@ -134,52 +110,29 @@ def _store_rows(out_ptr, state, b64, kvh, rows, row_mask, cols, stride_ob, strid
 
 
 @triton.jit
-def _merge_tile_rows_cols(tile, num_q, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-                          MERGE_ROWS: tl.constexpr, MERGE_COLS: tl.constexpr):
-    """Rows [MERGE_ROWS], their mask and columns [MERGE_COLS] of merge tile `tile` (column-major)."""
-    col_blocks: tl.constexpr = HEAD_DIM // MERGE_COLS
-    rows = (tile // col_blocks) * MERGE_ROWS + tl.arange(0, MERGE_ROWS)
-    cols = (tile % col_blocks) * MERGE_COLS + tl.arange(0, MERGE_COLS)
-    return rows, rows < num_q * GROUP, cols
-
-
-@triton.jit
-def _noise_tile_state(tile, b64, kvh, q_ptr, k_noise_ptr, v_noise_ptr, num_q, noise_scale_log2,
-                      stride_qb, stride_qq, stride_qh, stride_qd,
-                      stride_nkb, stride_nkq, stride_nkh, stride_nkd,
-                      stride_nvb, stride_nvq, stride_nvh, stride_nvd,
-                      GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, MERGE_ROWS: tl.constexpr,
-                      MERGE_COLS: tl.constexpr, NOISE_PAD: tl.constexpr, NOISE_COMPUTE: tl.constexpr,
-                      PRECISION: tl.constexpr):
-    """The noise keys' running state for one merge tile: it needs no partial, so the merge computes
-    it before waiting for the split kernel."""
-    rows, row_mask, cols = _merge_tile_rows_cols(tile, num_q, GROUP, HEAD_DIM, MERGE_ROWS, MERGE_COLS)
-    qn = _load_rows(q_ptr, b64, kvh, rows, row_mask, num_q, stride_qb, stride_qq, stride_qh, stride_qd,
-                    GROUP, HEAD_DIM).to(NOISE_COMPUTE)
-    acc = tl.zeros([MERGE_ROWS, MERGE_COLS], dtype=tl.float32)
-    m_i = tl.full([MERGE_ROWS], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([MERGE_ROWS], dtype=tl.float32)
-    noise_scale = tl.zeros([MERGE_ROWS], dtype=tl.float32) + noise_scale_log2
-    return _fold_noise(acc, m_i, l_i, qn, k_noise_ptr, v_noise_ptr, b64, kvh, cols, num_q, noise_scale,
-                       stride_nkb, stride_nkq, stride_nkh, stride_nkd, stride_nvb, stride_nvq, stride_nvh,
-                       stride_nvd, HEAD_DIM, NOISE_PAD, NOISE_COMPUTE, PRECISION)
-
-
-@triton.jit
-def _merge_tile_store(tile, acc_n, m_n, l_n, b64, kvh, item_row0, part_acc_ptr, part_lse_ptr, out_ptr,
-                      num_q, count, stride_pr, stride_ps, stride_lr, stride_ls,
-                      stride_ob, stride_oq, stride_oh, stride_od,
-                      GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, MERGE_ROWS: tl.constexpr,
-                      MERGE_COLS: tl.constexpr, MERGE_CHUNK: tl.constexpr):
-    """Fold the `count` partials of one merge tile into its noise state and store the output."""
-    rows, row_mask, cols = _merge_tile_rows_cols(tile, num_q, GROUP, HEAD_DIM, MERGE_ROWS, MERGE_COLS)
-    acc, m_i, l_i = merge_partial_chunks(part_acc_ptr, part_lse_ptr, item_row0 + rows, row_mask, cols,
-                                         cols < HEAD_DIM, stride_pr, stride_ps, stride_lr, stride_ls, count,
-                                         MERGE_CHUNK)
-    acc, m_i, l_i = combine_states(acc, m_i, l_i, acc_n, m_n, l_n)
-    out, _ = finalize_state(acc, m_i, l_i)
-    _store_rows(out_ptr, out, b64, kvh, rows, row_mask, cols, stride_ob, stride_oq, stride_oh, stride_od,
-                GROUP)
+def _fold_noise(acc, m_i, l_i, q, q_ptr, k_noise_ptr, v_noise_ptr, b64, kvh, rows, row_mask, num_q,
+                noise_scale, stride_qb, stride_qq, stride_qh, stride_qd,
+                stride_nkb, stride_nkq, stride_nkh, stride_nkd,
+                stride_nvb, stride_nvq, stride_nvh, stride_nvd,
+                GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, NOISE_PAD: tl.constexpr,
+                NOISE_COMPUTE: tl.constexpr, NARROW_Q: tl.constexpr, FP8_Q: tl.constexpr,
+                PRECISION: tl.constexpr):
+    """Fold all Q dense noise keys (q's dtype, unscaled) into the program's running state; q as the
+    context tiles took it."""
+    if NARROW_Q or FP8_Q:  # q was shifted or split into e4m3 terms for the context: q again
+        qn = _load_rows(q_ptr, b64, kvh, rows, row_mask, num_q, stride_qb, stride_qq, stride_qh, stride_qd,
+                        GROUP, HEAD_DIM).to(NOISE_COMPUTE)
+    else:
+        qn = q
+    dims = tl.arange(0, HEAD_DIM)
+    js = tl.arange(0, NOISE_PAD)
+    j_mask = js < num_q
+    kn = tl.load(k_noise_ptr + b64 * stride_nkb + js[:, None] * stride_nkq + kvh * stride_nkh
+                 + dims[None, :] * stride_nkd, mask=j_mask[:, None], other=0.0)
+    vn = tl.load(v_noise_ptr + b64 * stride_nvb + js[:, None] * stride_nvq + kvh * stride_nvh
+                 + dims[None, :] * stride_nvd, mask=j_mask[:, None], other=0.0)
+    return _attend_tile(qn, qn, kn.to(NOISE_COMPUTE), vn.to(NOISE_COMPUTE), j_mask, acc, m_i, l_i,
+                        noise_scale, 0.0, True, False, NOISE_COMPUTE, PRECISION, False)
 
 
 @triton.jit(do_not_specialize=["max_splits"])
@@ -263,56 +216,48 @@ def _context_attention_kernel(
             PRECISION, FP8_CVT_ASM, FP8_Q)
 
     pdl.allow_next_grid(USE_PDL)  # the context is read: the next kernel may be scheduled
-    if count == 1:  # the whole context is in this program: fold the noise keys, write the output
-        if NARROW_Q or FP8_Q:  # the noise keys are q's dtype, unscaled: q again, in that dtype
-            qn = _load_rows(q_ptr, b64, kvh, rows, row_mask, num_q, stride_qb, stride_qq, stride_qh,
-                            stride_qd, GROUP, HEAD_DIM).to(NOISE_COMPUTE)
-        else:
-            qn = q
-        acc, m_i, l_i = _fold_noise(acc, m_i, l_i, qn, k_noise_ptr, v_noise_ptr, b64, kvh, dims, num_q,
-                                    noise_scale, stride_nkb, stride_nkq, stride_nkh, stride_nkd, stride_nvb,
-                                    stride_nvq, stride_nvh, stride_nvd, HEAD_DIM, NOISE_PAD, NOISE_COMPUTE,
-                                    PRECISION)
+    if split == 0:  # the noise suffix: all Q dense keys, once per request and head
+        acc, m_i, l_i = _fold_noise(
+            acc, m_i, l_i, q, q_ptr, k_noise_ptr, v_noise_ptr, b64, kvh, rows, row_mask, num_q, noise_scale,
+            stride_qb, stride_qq, stride_qh, stride_qd, stride_nkb, stride_nkq, stride_nkh, stride_nkd,
+            stride_nvb, stride_nvq, stride_nvh, stride_nvd, GROUP, HEAD_DIM, NOISE_PAD, NOISE_COMPUTE,
+            NARROW_Q, FP8_Q, PRECISION)
+    if count == 1:  # the whole context and the noise are in this program: write the output
         _store_rows(out_ptr, acc / l_i[:, None], b64, kvh, rows, row_mask, dims,  # l_i >= 1: noise keys
                     stride_ob, stride_oq, stride_oh, stride_od, GROUP)
     elif SPLIT:
         state, lse = finalize_state(acc, m_i, l_i)
-        item_row0 = (b64 * tl.num_programs(0) + kvh) * ROWS
-        tl.store(part_acc_ptr + (item_row0 + rows)[:, None] * stride_pr + split * stride_ps + dims[None, :],
-                 state, mask=active[:, None])
-        tl.store(part_lse_ptr + (item_row0 + rows) * stride_lr + split * stride_ls, lse, mask=active)
+        prow = (b64 * tl.num_programs(0) + kvh) * ROWS + rows
+        tl.store(part_acc_ptr + prow[:, None] * stride_pr + split * stride_ps + dims[None, :], state,
+                 mask=active[:, None])
+        tl.store(part_lse_ptr + prow * stride_lr + split * stride_ls, lse, mask=active)
 
 
 @triton.jit(do_not_specialize=["max_splits"])
 def _context_merge_kernel(
-    q_ptr, k_noise_ptr, v_noise_ptr, part_acc_ptr, part_lse_ptr, ctx_lens_ptr, out_ptr,
-    sm_scale_log2, num_q, max_splits, min_tokens_per_split,
-    stride_qb, stride_qq, stride_qh, stride_qd,
-    stride_nkb, stride_nkq, stride_nkh, stride_nkd,
-    stride_nvb, stride_nvq, stride_nvh, stride_nvd,
+    part_acc_ptr, part_lse_ptr, ctx_lens_ptr, out_ptr,
+    num_q, max_splits, min_tokens_per_split,
     stride_pr, stride_ps, stride_lr, stride_ls,
     stride_ob, stride_oq, stride_oh, stride_od,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr, NOISE_PAD: tl.constexpr,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr,
     MERGE_ROWS: tl.constexpr, MERGE_COLS: tl.constexpr, MERGE_CHUNK: tl.constexpr,
-    NOISE_COMPUTE: tl.constexpr, PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     # grid: (ROWS / MERGE_ROWS * HEAD_DIM / MERGE_COLS, NKV, B): a [MERGE_ROWS, MERGE_COLS] tile each
-    tile = tl.program_id(0)
+    col_blocks: tl.constexpr = HEAD_DIM // MERGE_COLS
     kvh = tl.program_id(1)
     b = tl.program_id(2)
-    b64 = b.to(tl.int64)
-    # the noise keys, q and the lengths come from before the split kernel: read them before waiting
-    count = num_splits_for(tl.load(ctx_lens_ptr + b), max_splits, min_tokens_per_split)
-    acc_n, m_n, l_n = _noise_tile_state(
-        tile, b64, kvh, q_ptr, k_noise_ptr, v_noise_ptr, num_q, sm_scale_log2,
-        stride_qb, stride_qq, stride_qh, stride_qd, stride_nkb, stride_nkq, stride_nkh, stride_nkd,
-        stride_nvb, stride_nvq, stride_nvh, stride_nvd, GROUP, HEAD_DIM, MERGE_ROWS, MERGE_COLS, NOISE_PAD,
-        NOISE_COMPUTE, PRECISION)
-    pdl.wait_for_previous_grid(USE_PDL)  # the split kernel's partials (and its completion, for what follows)
+    rows = (tl.program_id(0) // col_blocks) * MERGE_ROWS + tl.arange(0, MERGE_ROWS)
+    cols = (tl.program_id(0) % col_blocks) * MERGE_COLS + tl.arange(0, MERGE_COLS)
+    row_mask = rows < num_q * GROUP
+    pdl.wait_for_previous_grid(USE_PDL)  # the split kernel's partials (and its end, for what follows)
     pdl.allow_next_grid(USE_PDL)
+    count = num_splits_for(tl.load(ctx_lens_ptr + b), max_splits, min_tokens_per_split)
     if count > 1:  # one split: the split kernel wrote the output itself
-        item_row0 = (b64 * tl.num_programs(1) + kvh) * ROWS
-        _merge_tile_store(tile, acc_n, m_n, l_n, b64, kvh, item_row0, part_acc_ptr, part_lse_ptr, out_ptr,
-                          num_q, count, stride_pr, stride_ps, stride_lr, stride_ls,
-                          stride_ob, stride_oq, stride_oh, stride_od, GROUP, HEAD_DIM, MERGE_ROWS, MERGE_COLS,
-                          MERGE_CHUNK)
+        prow = (b.to(tl.int64) * tl.num_programs(1) + kvh) * ROWS + rows
+        acc, m_i, l_i = merge_partial_chunks(part_acc_ptr, part_lse_ptr, prow, row_mask, cols,
+                                             cols < HEAD_DIM, stride_pr, stride_ps, stride_lr, stride_ls,
+                                             count, MERGE_CHUNK)
+        out, _ = finalize_state(acc, m_i, l_i)
+        _store_rows(out_ptr, out, b.to(tl.int64), kvh, rows, row_mask, cols, stride_ob, stride_oq, stride_oh,
+                    stride_od, GROUP)

@@ -18,6 +18,7 @@ import triton
 from kernels import operands, pdl, reference, split_kv
 from kernels.dispatch import resolve_backend
 from kernels.paged_attention_kernel import _paged_attention_kernel, launch_grid
+from kernels.validation import FP8
 
 Q_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 CACHE_DTYPES = (*Q_DTYPES, torch.float8_e4m3fn)
@@ -51,8 +52,8 @@ class TileConfig(NamedTuple):
 
     key_lanes > 1 deals each key tile to that many softmax states per row (one per warp, merged at
     the end), so row reductions stay inside warps (`paged_attention_kernel._attend_key_tile_lanes`):
-    for tiles of <= 32 rows; it builds with fewer CTA barriers per key tile (offline sm_90 build) but
-    has not been timed, so no default uses it.
+    for tiles of <= 32 rows, with fewer CTA barriers per key tile. Defaults use it where it measured
+    faster (`with_key_lanes`).
     """
 
     block_q: int
@@ -106,6 +107,20 @@ def choose_tiles(num_tokens: int, num_seqs: int, group: int, head_dim: int, devi
     if wide_operands:
         num_stages = min(num_stages, 2)
     return TileConfig(block_q, block_m, block_n, num_warps, num_stages)
+
+
+def with_key_lanes(tiles: TileConfig, cache_dtype: torch.dtype, split: bool,
+                   device: torch.device) -> TileConfig:
+    """Chosen tiles with key lanes where they measured faster on an H200: fp8 tiles of <= 16 rows
+    (decode, or verify of q_len x group <= 16) that walk whole contexts (no split) take 4 lanes of
+    32 keys and 3 stages: 7% faster at B 128 and B 32, ctx 8192
+    (bench/results/kernel_variants_12_key_lanes.md). Not where a program walks few tiles (B 1,
+    split: 1.33x slower; B 32 ctx 2048: 1.03x), with 32-row tiles (q_len 8: 1.32x) or over bf16
+    caches (1.01-1.07x)."""
+    if (device.type == "cuda" and cache_dtype == FP8 and not split and tiles.block_m <= 16
+            and tiles.block_n == 128 and tiles.key_lanes == 1):
+        return tiles._replace(key_lanes=4, num_stages=3)
+    return tiles
 
 
 def _is_scale(value) -> bool:
@@ -237,13 +252,16 @@ def _launch_paged_attention(q, k_cache, v_cache, block_table, seq_lens, query_st
     batch = seq_lens.shape[0]
     if num_tokens == 0 or batch == 0:
         return out
-    if tiles is None:
+    chosen = tiles is None
+    if chosen:
         tiles = choose_tiles(num_tokens, batch, group, head_dim, q.device, k_cache.dtype, q.dtype)
     else:
         _check_tiles(tiles)
     num_items = max(batch, triton.cdiv(num_tokens, tiles.block_q)) * num_kv_heads
     max_splits, min_tokens = _split_plan(num_items, num_heads, head_dim, tiles, num_splits, q.device)
     split = max_splits > 1
+    if chosen:
+        tiles = with_key_lanes(tiles, k_cache.dtype, split, q.device)
     grid = launch_grid(num_tokens, batch, num_kv_heads, max_splits, tiles.block_q)
     d_pad = max(16, triton.next_power_of_2(head_dim))
     fused = split and num_tokens > batch and max_splits <= FUSED_MERGE_MAX_SPLITS

@@ -41,7 +41,6 @@ Device helpers (``@triton.jit``, call them from your kernels)
     ``fold_state(acc, m_i, l_i, acc_x, lse_x) -> (acc, m_i, l_i)``: fold one more normalised dense state
     ``arrive_last(counter_ptr, count) -> bool``: after storing its partials, True in the last of
     the work item's `count` splits to finish, which may then merge them in the same kernel
-    ``combine_states(acc_a, m_a, l_a, acc_b, m_b, l_b)``: two unnormalised states into one
 
 A split kernel, in outline (grid: work items x max_splits)::
 
@@ -184,19 +183,6 @@ def arrive_last(counter_ptr, count):
     if last:
         tl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="gpu")
     return last
-
-
-@triton.jit
-def combine_states(acc_a, m_a, l_a, acc_b, m_b, l_b):
-    """Two unnormalised running states (acc [R, C], max [R], sum [R], base 2) -> one.
-
-    Either may be empty (max -inf); rows empty in both stay empty.
-    """
-    m = tl.maximum(m_a, m_b)
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-    alpha = tl.exp2(m_a - m_safe)
-    beta = tl.exp2(m_b - m_safe)
-    return acc_a * alpha[:, None] + acc_b * beta[:, None], m, l_a * alpha + l_b * beta
 
 
 @triton.jit

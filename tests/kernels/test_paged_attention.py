@@ -18,7 +18,7 @@ import torch
 
 import kernels
 from kernels import operands, reference, split_kv
-from kernels.paged_attention import TileConfig, _launch_paged_attention, choose_tiles
+from kernels.paged_attention import TileConfig, _launch_paged_attention, choose_tiles, with_key_lanes
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -122,7 +122,22 @@ def test_gpu_tile_rules_follow_the_regime_and_the_operand_width():
     assert (wide.block_m, wide.num_stages) == (128, 2)
     assert choose_tiles(8192, 1, 4, 256, cuda, bf16).block_m == 128  # D 256
     assert choose_tiles(8 * 32, 32, 4, 128, torch.device("cpu"), fp8).block_m == 32  # interpreter
-    assert decode.key_lanes == q8.key_lanes == q8_fp8.key_lanes == 1  # key lanes: untimed, never chosen
+    assert decode.key_lanes == q8.key_lanes == q8_fp8.key_lanes == 1  # key lanes come after the split plan
+
+
+def test_gpu_key_lanes_only_for_fp8_tiles_of_16_rows_that_walk_whole_contexts():
+    # measured on an H200: faster for fp8 decode / short verify without splits, slower elsewhere
+    cuda, fp8, bf16 = torch.device("cuda"), torch.float8_e4m3fn, torch.bfloat16
+    decode = choose_tiles(128, 128, 4, 128, cuda, fp8)
+    assert tuple(with_key_lanes(decode, fp8, False, cuda)) == (4, 16, 128, 4, 3, 4)
+    q4 = choose_tiles(4 * 32, 32, 4, 128, cuda, fp8)  # 16 rows
+    assert with_key_lanes(q4, fp8, False, cuda).key_lanes == 4
+    assert with_key_lanes(decode, fp8, True, cuda) == decode  # split: few tiles per program
+    assert with_key_lanes(decode, bf16, False, cuda) == decode
+    q8 = choose_tiles(8 * 32, 32, 4, 128, cuda, fp8)  # 32 rows
+    assert with_key_lanes(q8, fp8, False, cuda) == q8
+    cpu_tiles = choose_tiles(128, 128, 4, 128, torch.device("cpu"), fp8)
+    assert with_key_lanes(cpu_tiles, fp8, False, torch.device("cpu")) == cpu_tiles  # interpreter tiles
 
 
 def test_every_query_count_from_1_to_16():
@@ -313,6 +328,24 @@ def test_gpu_fp8_cache_with_device_scales():
     batch["v_cache"] = (batch["v_cache"].float() / v_scale).to(torch.float8_e4m3fn)
     expected = attention_f64(**batch, k_scale=k_scale.item(), v_scale=v_scale.item())
     assert_close(run_kernel(batch, k_scale=k_scale, v_scale=v_scale), expected, torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("q_len", [1, 4])
+def test_gpu_fp8_key_lanes_chosen_for_a_batch_that_fills_the_gpu(q_len):
+    # 24 sequences x 8 KV heads fill the SMs (no split): fp8 tiles of 16 rows take 4 key lanes;
+    # contexts of 1 to 2100 keys end mid-tile and mid-lane
+    ctx = [1 + (i * 397) % 2100 for i in range(24)]
+    batch = make_batch([q_len] * 24, ctx, 32, 8, 128, dtype=torch.bfloat16, device="cuda")
+    items = 24 * 8
+    assert kernels.split_kv.plan_max_splits(items, torch.device("cuda")) == 1
+    tiles = with_key_lanes(choose_tiles(24 * q_len, 24, 4, 128, torch.device("cuda"), torch.float8_e4m3fn),
+                           torch.float8_e4m3fn, False, torch.device("cuda"))
+    assert tiles.key_lanes == 4
+    batch["k_cache"] = (batch["k_cache"].float() / 0.5).to(torch.float8_e4m3fn)
+    batch["v_cache"] = (batch["v_cache"].float() / 0.25).to(torch.float8_e4m3fn)
+    expected = attention_f64(**batch, k_scale=0.5, v_scale=0.25)
+    assert_close(run_kernel(batch, k_scale=0.5, v_scale=0.25), expected, torch.bfloat16)
 
 
 @pytest.mark.gpu
