@@ -42,7 +42,7 @@ import torch
 import triton
 
 from kernels import context_attention as ca
-from kernels.paged_attention import TileConfig, choose_tiles
+from kernels.paged_attention import TileConfig, default_tiles
 
 log = logging.getLogger("bench.kernel_variants")
 pa = importlib.import_module("kernels.paged_attention")  # the package exports a function of that name
@@ -69,7 +69,6 @@ SHAPE_VARIANTS = [  # earlier sets are in bench/results/kernel_variants_*.json
     ("fp8 decode, no key lanes (before)", "fp8", 1, 32, 32768, TileConfig(4, 16, 128, 4, 2), None),
     ("fp8 decode, no key lanes (before)", "fp8", 1, 128, 2048, TileConfig(4, 16, 128, 4, 2), None),
     ("fp8 decode, no key lanes (before)", "fp8", 1, 128, 8192, TileConfig(4, 16, 128, 4, 2), None),
-    ("fp8 decode, no key lanes (before)", "fp8", 1, 256, 32768, TileConfig(4, 16, 128, 4, 2), None),
     ("fp8 q_len 4, no key lanes (before)", "fp8", 4, 32, 8192, TileConfig(4, 16, 128, 4, 2), None),
 ]
 
@@ -132,9 +131,8 @@ def paged_rate(rec, ceil) -> float:
 
 def measure_paged(geo, pools, variants, case, device) -> dict:
     dtype_name, q_len, batch, ctx = case
-    group = geo["heads"] // geo["kv_heads"]
     cache = pab.DTYPES[dtype_name]
-    tiles = choose_tiles(batch * q_len, batch, group, geo["head_dim"], device, cache)
+    tiles = default_tiles(batch * q_len, batch, geo["heads"], geo["kv_heads"], geo["head_dim"], device, cache)
     row = {"cache": dtype_name, "q_len": q_len, "batch": batch, "ctx": ctx, "tiles": tiles._asdict(),
            "us": {}, "err": {}}
     for name, modules in variants.items():
@@ -165,8 +163,8 @@ def measure_context(device, gen, variants, case) -> dict:
 
 def measure_shape(geo, pools, variant, device) -> dict:
     name, dtype_name, q_len, batch, ctx, tiles, num_splits = variant
-    group = geo["heads"] // geo["kv_heads"]
-    default = choose_tiles(batch * q_len, batch, group, geo["head_dim"], device, pab.DTYPES[dtype_name])
+    default = default_tiles(batch * q_len, batch, geo["heads"], geo["kv_heads"], geo["head_dim"], device,
+                            pab.DTYPES[dtype_name])
     row = {"name": name, "cache": dtype_name, "q_len": q_len, "batch": batch, "ctx": ctx, "us": {}}
     for label, t, splits in (("default", default, None), ("variant", tiles or default, num_splits)):
         rec = pab.run_case(geo, pools[dtype_name], dtype_name, batch, ctx, q_len, t, device, {},

@@ -42,7 +42,7 @@ import triton
 from paged_attention_report import annotate, markdown, plot, summary  # bench/ is sys.path[0]
 from torch.nn.attention.bias import causal_lower_right
 
-from kernels.paged_attention import TileConfig, _launch_paged_attention, choose_tiles
+from kernels.paged_attention import TileConfig, _launch_paged_attention, choose_tiles, default_tiles
 
 log = logging.getLogger("bench.paged_attention")
 
@@ -267,9 +267,10 @@ def split_sweep(geo, pools, best, device, deadline) -> list[dict]:
 
 def tiles_for(best, geo, batch, q_len, device, dtype_name) -> TileConfig:
     group = geo["heads"] // geo["kv_heads"]
+    if best is None:  # the public path's own tiles
+        return default_tiles(batch * q_len, batch, geo["heads"], geo["kv_heads"], geo["head_dim"], device,
+                             DTYPES[dtype_name])
     base = choose_tiles(batch * q_len, batch, group, geo["head_dim"], device, DTYPES[dtype_name])
-    if best is None:
-        return base
     if base.block_m >= 128 or q_len > 16:
         return best["prefill", dtype_name]
     tuned = best["decode" if q_len == 1 else "verify", dtype_name]

@@ -123,6 +123,18 @@ def with_key_lanes(tiles: TileConfig, cache_dtype: torch.dtype, split: bool,
     return tiles
 
 
+def default_tiles(num_tokens: int, num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                  device: torch.device, cache_dtype: torch.dtype = torch.bfloat16,
+                  q_dtype: torch.dtype = torch.bfloat16, num_splits: int | None = None) -> TileConfig:
+    """The launch shape `paged_attention` takes for these static shapes: `choose_tiles`, then key
+    lanes where the split plan leaves whole contexts to each program (benches time this one)."""
+    group = num_heads // num_kv_heads
+    tiles = choose_tiles(num_tokens, num_seqs, group, head_dim, device, cache_dtype, q_dtype)
+    num_items = max(num_seqs, triton.cdiv(num_tokens, tiles.block_q)) * num_kv_heads
+    max_splits, _ = _split_plan(num_items, num_heads, head_dim, tiles, num_splits, device)
+    return with_key_lanes(tiles, cache_dtype, max_splits > 1, device)
+
+
 def _is_scale(value) -> bool:
     if value is None:
         return True
@@ -252,16 +264,14 @@ def _launch_paged_attention(q, k_cache, v_cache, block_table, seq_lens, query_st
     batch = seq_lens.shape[0]
     if num_tokens == 0 or batch == 0:
         return out
-    chosen = tiles is None
-    if chosen:
-        tiles = choose_tiles(num_tokens, batch, group, head_dim, q.device, k_cache.dtype, q.dtype)
+    if tiles is None:
+        tiles = default_tiles(num_tokens, batch, num_heads, num_kv_heads, head_dim, q.device, k_cache.dtype,
+                              q.dtype, num_splits)
     else:
         _check_tiles(tiles)
     num_items = max(batch, triton.cdiv(num_tokens, tiles.block_q)) * num_kv_heads
     max_splits, min_tokens = _split_plan(num_items, num_heads, head_dim, tiles, num_splits, q.device)
     split = max_splits > 1
-    if chosen:
-        tiles = with_key_lanes(tiles, k_cache.dtype, split, q.device)
     grid = launch_grid(num_tokens, batch, num_kv_heads, max_splits, tiles.block_q)
     d_pad = max(16, triton.next_power_of_2(head_dim))
     fused = split and num_tokens > batch and max_splits <= FUSED_MERGE_MAX_SPLITS

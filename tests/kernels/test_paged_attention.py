@@ -18,7 +18,13 @@ import torch
 
 import kernels
 from kernels import operands, reference, split_kv
-from kernels.paged_attention import TileConfig, _launch_paged_attention, choose_tiles, with_key_lanes
+from kernels.paged_attention import (
+    TileConfig,
+    _launch_paged_attention,
+    choose_tiles,
+    default_tiles,
+    with_key_lanes,
+)
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -138,6 +144,10 @@ def test_gpu_key_lanes_only_for_fp8_tiles_of_16_rows_that_walk_whole_contexts():
     assert with_key_lanes(q8, fp8, False, cuda) == q8
     cpu_tiles = choose_tiles(128, 128, 4, 128, torch.device("cpu"), fp8)
     assert with_key_lanes(cpu_tiles, fp8, False, torch.device("cpu")) == cpu_tiles  # interpreter tiles
+    with mock.patch.object(kernels.split_kv, "num_sms", lambda device: 132):  # what the launcher takes
+        assert default_tiles(128, 128, 32, 8, 128, cuda, fp8).key_lanes == 4  # 1024 items: no split
+        assert default_tiles(1, 1, 32, 8, 128, cuda, fp8).key_lanes == 1  # 8 items: split
+        assert default_tiles(128, 128, 32, 8, 128, cuda, fp8, num_splits=2).key_lanes == 1
 
 
 def test_every_query_count_from_1_to_16():
