@@ -10,7 +10,7 @@ context takes one split is finished by split 0 alone, like the single pass (B 1,
 5.8 / 8.6 -> 3.7 / 6.7 us, bench/results/context_versions_noise_in_merge.md); otherwise every
 split writes a partial state and `_context_merge_kernel` folds them into the output. Tried and
 not kept (same results directory): the merge in the split kernel's own last programs, waiting for
-the other splits (7-24% slower, context_latency_fused_merge.md), and the noise keys folded by the
+the other splits (1-22% slower, context_latency_fused_merge.md), and the noise keys folded by the
 merge kernel before its PDL wait (4-15% slower at B 4-16, context_versions_noise_in_merge.md).
 
 Scores live in log2 units (scale * log2(e) folded into one multiplier) so the softmax uses exp2.
