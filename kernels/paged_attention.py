@@ -113,8 +113,8 @@ def with_key_lanes(tiles: TileConfig, cache_dtype: torch.dtype, split: bool,
                    device: torch.device) -> TileConfig:
     """Chosen tiles with key lanes where they measured faster on an H200: fp8 tiles of <= 16 rows
     (decode, or verify of q_len x group <= 16) that walk whole contexts (no split) take 4 lanes of
-    32 keys and 3 stages: 7% faster at B 128 and B 32, ctx 8192
-    (bench/results/kernel_variants_12_key_lanes.md). Not where a program walks few tiles (B 1,
+    32 keys and 3 stages: 5-9% faster at B 32-128, ctx >= 8192, 1-3% slower at ctx 2048
+    (bench/results/kernel_variants_13_key_lanes_default.md). Not where a program walks few tiles (B 1,
     split: 1.33x slower; B 32 ctx 2048: 1.03x), with 32-row tiles (q_len 8: 1.32x) or over bf16
     caches (1.01-1.07x)."""
     if (device.type == "cuda" and cache_dtype == FP8 and not split and tiles.block_m <= 16
@@ -128,11 +128,20 @@ def default_tiles(num_tokens: int, num_seqs: int, num_heads: int, num_kv_heads: 
                   q_dtype: torch.dtype = torch.bfloat16, num_splits: int | None = None) -> TileConfig:
     """The launch shape `paged_attention` takes for these static shapes: `choose_tiles`, then key
     lanes where the split plan leaves whole contexts to each program (benches time this one)."""
-    group = num_heads // num_kv_heads
-    tiles = choose_tiles(num_tokens, num_seqs, group, head_dim, device, cache_dtype, q_dtype)
-    num_items = max(num_seqs, triton.cdiv(num_tokens, tiles.block_q)) * num_kv_heads
-    max_splits, _ = _split_plan(num_items, num_heads, head_dim, tiles, num_splits, device)
-    return with_key_lanes(tiles, cache_dtype, max_splits > 1, device)
+    return _default_plan(num_tokens, num_seqs, num_heads, num_kv_heads, head_dim, device, cache_dtype,
+                         q_dtype, num_splits)[0]
+
+
+def _default_plan(num_tokens, num_seqs, num_heads, num_kv_heads, head_dim, device, cache_dtype, q_dtype,
+                  num_splits) -> tuple[TileConfig, int, int]:
+    """(tiles, max_splits, min_tokens_per_split) of a call that leaves the tiles to the launcher.
+
+    Key lanes change none of the tile sizes the split plan reads, so the plan holds after them."""
+    tiles = choose_tiles(num_tokens, num_seqs, num_heads // num_kv_heads, head_dim, device, cache_dtype,
+                         q_dtype)
+    max_splits, min_tokens = _split_plan(num_tokens, num_seqs, num_heads, num_kv_heads, head_dim, tiles,
+                                         num_splits, device)
+    return with_key_lanes(tiles, cache_dtype, max_splits > 1, device), max_splits, min_tokens
 
 
 def _is_scale(value) -> bool:
@@ -222,8 +231,13 @@ def _scale_args(k_scale, v_scale, device):
     return 1.0, 1.0, as_tensor(k_scale), as_tensor(v_scale), True
 
 
-def _split_plan(num_items, num_heads, head_dim, tiles, num_splits, device) -> tuple[int, int]:
-    """(max_splits, min_tokens_per_split) for the grid; 1 split means no partials and no merge."""
+def _split_plan(num_tokens, num_seqs, num_heads, num_kv_heads, head_dim, tiles, num_splits,
+                device) -> tuple[int, int]:
+    """(max_splits, min_tokens_per_split) for the grid; 1 split means no partials and no merge.
+
+    The work items are query tiles (at least one per sequence) x KV heads.
+    """
+    num_items = max(num_seqs, triton.cdiv(num_tokens, tiles.block_q)) * num_kv_heads
     mergeable = (num_heads % 16 == 0 or num_heads & (num_heads - 1) == 0) and (
         head_dim >= 16 and head_dim & (head_dim - 1) == 0)
     if not mergeable:
@@ -265,12 +279,12 @@ def _launch_paged_attention(q, k_cache, v_cache, block_table, seq_lens, query_st
     if num_tokens == 0 or batch == 0:
         return out
     if tiles is None:
-        tiles = default_tiles(num_tokens, batch, num_heads, num_kv_heads, head_dim, q.device, k_cache.dtype,
-                              q.dtype, num_splits)
+        tiles, max_splits, min_tokens = _default_plan(num_tokens, batch, num_heads, num_kv_heads, head_dim,
+                                                      q.device, k_cache.dtype, q.dtype, num_splits)
     else:
         _check_tiles(tiles)
-    num_items = max(batch, triton.cdiv(num_tokens, tiles.block_q)) * num_kv_heads
-    max_splits, min_tokens = _split_plan(num_items, num_heads, head_dim, tiles, num_splits, q.device)
+        max_splits, min_tokens = _split_plan(num_tokens, batch, num_heads, num_kv_heads, head_dim, tiles,
+                                             num_splits, q.device)
     split = max_splits > 1
     grid = launch_grid(num_tokens, batch, num_kv_heads, max_splits, tiles.block_q)
     d_pad = max(16, triton.next_power_of_2(head_dim))

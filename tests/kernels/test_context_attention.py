@@ -117,7 +117,7 @@ def test_forced_splits_with_empty_splits(num_splits):
 
 def test_default_plan_splits_a_long_context():
     # one request x 2 KV heads is under the SM count: the default plan splits it on the device;
-    # 20 rows pad to 32, two merge tiles of 16 rows (the noise folded into each)
+    # 20 rows pad to 32: two merge tiles of 16 rows
     case = make_case([700], 5, 4, 2, 32, 32, torch.float32, seed=7)
     num_items = 1 * 2
     assert kernels.split_kv.plan_max_splits(num_items, case["q"].device) > 1

@@ -18,13 +18,7 @@ import torch
 
 import kernels
 from kernels import operands, reference, split_kv
-from kernels.paged_attention import (
-    TileConfig,
-    _launch_paged_attention,
-    choose_tiles,
-    default_tiles,
-    with_key_lanes,
-)
+from kernels.paged_attention import TileConfig, _launch_paged_attention, choose_tiles, default_tiles
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -108,46 +102,6 @@ def test_prefill_tiles_with_decodes_in_the_batch():
     batch = make_batch([40, 1], [9, 33], 8, 2, 32)
     assert choose_tiles(41, 2, 4, 32, torch.device("cpu")).block_m == 128
     assert_close(run_kernel(batch), attention_f64(**batch), torch.float32)
-
-
-def test_gpu_tile_rules_follow_the_regime_and_the_operand_width():
-    # choose_tiles reads shapes and dtypes only, so its GPU rules are checkable without a GPU
-    cuda, fp8, bf16, fp32 = torch.device("cuda"), torch.float8_e4m3fn, torch.bfloat16, torch.float32
-    decode = choose_tiles(32, 32, 4, 128, cuda, bf16)
-    assert (decode.block_q, decode.block_m, decode.block_n) == (4, 16, 128)
-    q8 = choose_tiles(8 * 32, 32, 4, 128, cuda, bf16)  # 32 rows: 128 keys
-    assert (q8.block_q, q8.block_m, q8.block_n) == (8, 32, 128)
-    q16 = choose_tiles(16 * 32, 32, 4, 128, cuda, bf16)  # 64 rows: 64 keys
-    assert (q16.block_q, q16.block_m, q16.block_n) == (16, 64, 64)
-    q8_fp8 = choose_tiles(8 * 32, 32, 4, 128, cuda, fp8)  # fp8 verify: 128 keys whatever the rows
-    assert (q8_fp8.block_q, q8_fp8.block_m, q8_fp8.block_n) == (8, 32, 128)
-    for cache, stages in ((bf16, 3), (fp8, 3)):
-        prefill = choose_tiles(8192, 1, 4, 128, cuda, cache)
-        assert tuple(prefill) == (64, 256, 64, 8, stages, 1)  # (q, m, n, warps, stages, key lanes)
-    wide = choose_tiles(8192, 1, 4, 128, cuda, fp32, fp32)  # 32-bit operands: half the rows, 2 stages
-    assert (wide.block_m, wide.num_stages) == (128, 2)
-    assert choose_tiles(8192, 1, 4, 256, cuda, bf16).block_m == 128  # D 256
-    assert choose_tiles(8 * 32, 32, 4, 128, torch.device("cpu"), fp8).block_m == 32  # interpreter
-    assert decode.key_lanes == q8.key_lanes == q8_fp8.key_lanes == 1  # key lanes come after the split plan
-
-
-def test_gpu_key_lanes_only_for_fp8_tiles_of_16_rows_that_walk_whole_contexts():
-    # measured on an H200: faster for fp8 decode / short verify without splits, slower elsewhere
-    cuda, fp8, bf16 = torch.device("cuda"), torch.float8_e4m3fn, torch.bfloat16
-    decode = choose_tiles(128, 128, 4, 128, cuda, fp8)
-    assert tuple(with_key_lanes(decode, fp8, False, cuda)) == (4, 16, 128, 4, 3, 4)
-    q4 = choose_tiles(4 * 32, 32, 4, 128, cuda, fp8)  # 16 rows
-    assert with_key_lanes(q4, fp8, False, cuda).key_lanes == 4
-    assert with_key_lanes(decode, fp8, True, cuda) == decode  # split: few tiles per program
-    assert with_key_lanes(decode, bf16, False, cuda) == decode
-    q8 = choose_tiles(8 * 32, 32, 4, 128, cuda, fp8)  # 32 rows
-    assert with_key_lanes(q8, fp8, False, cuda) == q8
-    cpu_tiles = choose_tiles(128, 128, 4, 128, torch.device("cpu"), fp8)
-    assert with_key_lanes(cpu_tiles, fp8, False, torch.device("cpu")) == cpu_tiles  # interpreter tiles
-    with mock.patch.object(kernels.split_kv, "num_sms", lambda device: 132):  # what the launcher takes
-        assert default_tiles(128, 128, 32, 8, 128, cuda, fp8).key_lanes == 4  # 1024 items: no split
-        assert default_tiles(1, 1, 32, 8, 128, cuda, fp8).key_lanes == 1  # 8 items: split
-        assert default_tiles(128, 128, 32, 8, 128, cuda, fp8, num_splits=2).key_lanes == 1
 
 
 def test_every_query_count_from_1_to_16():
@@ -349,8 +303,7 @@ def test_gpu_fp8_key_lanes_chosen_for_a_batch_that_fills_the_gpu(q_len):
     batch = make_batch([q_len] * 24, ctx, 32, 8, 128, dtype=torch.bfloat16, device="cuda")
     items = 24 * 8
     assert kernels.split_kv.plan_max_splits(items, torch.device("cuda")) == 1
-    tiles = with_key_lanes(choose_tiles(24 * q_len, 24, 4, 128, torch.device("cuda"), torch.float8_e4m3fn),
-                           torch.float8_e4m3fn, False, torch.device("cuda"))
+    tiles = default_tiles(24 * q_len, 24, 32, 8, 128, torch.device("cuda"), torch.float8_e4m3fn)
     assert tiles.key_lanes == 4
     batch["k_cache"] = (batch["k_cache"].float() / 0.5).to(torch.float8_e4m3fn)
     batch["v_cache"] = (batch["v_cache"].float() / 0.25).to(torch.float8_e4m3fn)
