@@ -61,25 +61,15 @@ CONTEXT_CASES = [
     ("bf16", 4, 256, 2048), ("fp8", 4, 1, 8192), ("fp8", 4, 16, 8192), ("fp8", 8, 64, 8192),
     ("fp8", 4, 256, 2048),
 ]
-LANES_16 = TileConfig(4, 16, 128, 4, 3, key_lanes=4)
-ROWS_16 = TileConfig(4, 16, 128, 4, 2)
-KEYS_16 = TileConfig(4, 16, 128, 4, 3, keys_major=True)
-KEYS_32 = TileConfig(8, 32, 128, 4, 3, keys_major=True)
 # (name, cache, q_len, B, ctx, tiles or None for the default, num_splits or None for the plan)
 SHAPE_VARIANTS = [  # earlier sets are in bench/results/kernel_variants_*.json
-    # fp8 tiles of 16 rows went keys-major (`with_keys_major`): the shapes before, next to it
-    *[("fp8 decode, key lanes (before)", "fp8", 1, b, c, LANES_16, None)
-      for b, c in ((32, 2048), (32, 8192), (32, 32768), (128, 2048), (128, 8192), (256, 8192))],
-    ("fp8 q_len 4, key lanes (before)", "fp8", 4, 32, 8192, LANES_16, None),
-    *[("fp8 decode split, rows-major (before)", "fp8", 1, b, 8192, ROWS_16, None) for b in (1, 8)],
-    ("fp8 decode, keys-major 2 stages", "fp8", 1, 32, 8192, KEYS_16._replace(num_stages=2), None),
-    ("fp8 decode, keys-major 4 stages", "fp8", 1, 32, 8192, KEYS_16._replace(num_stages=4), None),
-    # where keys-major is not the default: fp8 32-row tiles, bf16
-    ("fp8 q_len 8, keys-major", "fp8", 8, 32, 8192, KEYS_32, None),
-    ("fp8 q_len 8, keys-major", "fp8", 8, 128, 2048, KEYS_32, None),
-    *[("bf16 decode, keys-major", "bf16", 1, b, c, KEYS_16, None)
-      for b, c in ((1, 8192), (32, 2048), (128, 8192))],
-    ("bf16 q_len 8, keys-major", "bf16", 8, 32, 8192, KEYS_32, None),
+    # the tiles before fp8 decode-size tiles took key lanes (`with_key_lanes`), next to the new default
+    ("fp8 decode, no key lanes (before)", "fp8", 1, 32, 2048, TileConfig(4, 16, 128, 4, 2), None),
+    ("fp8 decode, no key lanes (before)", "fp8", 1, 32, 8192, TileConfig(4, 16, 128, 4, 2), None),
+    ("fp8 decode, no key lanes (before)", "fp8", 1, 32, 32768, TileConfig(4, 16, 128, 4, 2), None),
+    ("fp8 decode, no key lanes (before)", "fp8", 1, 128, 2048, TileConfig(4, 16, 128, 4, 2), None),
+    ("fp8 decode, no key lanes (before)", "fp8", 1, 128, 8192, TileConfig(4, 16, 128, 4, 2), None),
+    ("fp8 q_len 4, no key lanes (before)", "fp8", 4, 32, 8192, TileConfig(4, 16, 128, 4, 2), None),
 ]
 
 
@@ -186,11 +176,6 @@ def measure_shape(geo, pools, variant, device) -> dict:
     return row
 
 
-def tile_text(t: dict) -> str:
-    return (f"{t['block_q']}, {t['block_m']}, {t['block_n']}, {t['num_warps']}, {t['num_stages']}, "
-            f"{t.get('key_lanes', 1)}, {'K' if t.get('keys_major') else 'R'}")
-
-
 def markdown(result) -> str:
     ceil = result["ceilings"]
     names = list(result["variants"])
@@ -225,15 +210,16 @@ def markdown(result) -> str:
                      + f" | {r['us'][NOW] / r['us'][base]:.3f} | {rate:.0f}% | "
                      + f"{max(r['err'].values()):.1e} |")
     lines += ["", f"## Launch shapes of the paged kernel (`{NOW}`), next to its defaults", "",
-              "Tiles: q, m, n, warps, stages, key lanes, K (keys-major) or R (rows-major).", "",
               "| variant | cache | q_len | B | ctx | default us | variant us | variant / default | "
-              "default rate | variant rate | default tiles | variant tiles |", "|" + "---|" * 12]
+              "variant rate | tiles (q, m, n, warps, stages, key lanes) |", "|" + "---|" * 10]
     for r in result["shapes"]:
-        rates = [paged_rate({**r, "seconds": r["us"][key] * 1e-6}, ceil) for key in ("default", "variant")]
+        rate = paged_rate({**r, "seconds": r["us"]["variant"] * 1e-6}, ceil)
+        t = r["variant_tiles"]
         lines.append(f"| {r['name']} | {r['cache']} | {r['q_len']} | {r['batch']} | {r['ctx']} | "
                      f"{r['us']['default']:.1f} | {r['us']['variant']:.1f} | "
-                     f"{r['us']['variant'] / r['us']['default']:.3f} | {rates[0]:.0f}% | {rates[1]:.0f}% | "
-                     f"{tile_text(r['default_tiles'])} | {tile_text(r['variant_tiles'])} |")
+                     f"{r['us']['variant'] / r['us']['default']:.3f} | {rate:.0f}% | "
+                     f"{t['block_q']}, {t['block_m']}, {t['block_n']}, {t['num_warps']}, {t['num_stages']}, "
+                     f"{t.get('key_lanes', 1)} |")
     return "\n".join(lines) + "\n"
 
 

@@ -54,10 +54,6 @@ class TileConfig(NamedTuple):
     the end), so row reductions stay inside warps (`paged_attention_kernel._attend_key_tile_lanes`):
     for tiles of <= 32 rows, with fewer CTA barriers per key tile. Defaults use it where it measured
     faster (`with_key_lanes`).
-
-    keys_major puts the BLOCK_N keys, not the rows, on the MMAs' M dimension (scores S^T = K Q^T,
-    output O^T += V^T P^T; `paged_attention_kernel._attend_key_tile_keys_major`): a tile of few rows
-    then reaches the Hopper MMA, which runs the score dot over an fp8 cache in e4m3 on the stored keys.
     """
 
     block_q: int
@@ -66,12 +62,6 @@ class TileConfig(NamedTuple):
     num_warps: int
     num_stages: int
     key_lanes: int = 1
-    keys_major: bool = False
-
-    @property
-    def mma_rows(self) -> int:
-        """The M dimension of the tile's dots: keys when keys_major, query rows otherwise."""
-        return self.block_n if self.keys_major else self.block_m
 
 
 # (block_n, num_warps, num_stages) per regime and cache element size on a GPU: the winners of the
@@ -128,19 +118,8 @@ def with_key_lanes(tiles: TileConfig, cache_dtype: torch.dtype, split: bool,
     split: 1.33x slower; B 32 ctx 2048: 1.03x), with 32-row tiles (q_len 8: 1.32x) or over bf16
     caches (1.01-1.07x)."""
     if (device.type == "cuda" and cache_dtype == FP8 and not split and tiles.block_m <= 16
-            and tiles.block_n == 128 and tiles.key_lanes == 1 and not tiles.keys_major):
+            and tiles.block_n == 128 and tiles.key_lanes == 1):
         return tiles._replace(key_lanes=4, num_stages=3)
-    return tiles
-
-
-def with_keys_major(tiles: TileConfig, cache_dtype: torch.dtype, head_dim: int,
-                    device: torch.device) -> TileConfig:
-    """Chosen tiles with the keys on the MMAs' M dimension for fp8 tiles of <= 16 rows (decode, short
-    verify) where the Hopper MMA takes e4m3 score dots: the keys enter it as stored, where a 16-row
-    tile widens K and V to fp16 (3 stages, 2 programs per SM in an offline sm_90 build)."""
-    if (device.type == "cuda" and cache_dtype == FP8 and tiles.block_m <= 16 and tiles.block_n >= 64
-            and tiles.key_lanes == 1 and operands.quantizes_q(cache_dtype, device, tiles.block_n, head_dim)):
-        return tiles._replace(keys_major=True, num_stages=3)
     return tiles
 
 
@@ -157,13 +136,11 @@ def _default_plan(num_tokens, num_seqs, num_heads, num_kv_heads, head_dim, devic
                   num_splits) -> tuple[TileConfig, int, int]:
     """(tiles, max_splits, min_tokens_per_split) of a call that leaves the tiles to the launcher.
 
-    Keys-major tiles and key lanes change none of the tile sizes the split plan reads, so the plan
-    holds after them."""
+    Key lanes change none of the tile sizes the split plan reads, so the plan holds after them."""
     tiles = choose_tiles(num_tokens, num_seqs, num_heads // num_kv_heads, head_dim, device, cache_dtype,
                          q_dtype)
     max_splits, min_tokens = _split_plan(num_tokens, num_seqs, num_heads, num_kv_heads, head_dim, tiles,
                                          num_splits, device)
-    tiles = with_keys_major(tiles, cache_dtype, head_dim, device)
     return with_key_lanes(tiles, cache_dtype, max_splits > 1, device), max_splits, min_tokens
 
 
@@ -282,8 +259,6 @@ def _check_tiles(tiles: TileConfig) -> None:
                          f"tile per lane, got {lanes}")
     if lanes > 1 and tiles.block_m > 32:
         raise ValueError(f"key_lanes > 1 is for tiles of <= 32 rows, got {tiles.block_m} rows")
-    if lanes > 1 and tiles.keys_major:
-        raise ValueError("a keys-major tile keeps one softmax state per row: key_lanes must be 1")
 
 
 def _fused_merge_chunk(tiles: TileConfig, d_pad: int) -> int:
@@ -341,8 +316,8 @@ def _launch_paged_attention(q, k_cache, v_cache, block_table, seq_lens, query_st
         FUSED_MERGE=fused, MERGE_CHUNK=merge_chunk, DOT_DTYPE=operands.TL_DTYPES[dot_dtype], USE_PDL=use_pdl,
         SEQ_SEARCH=SEQ_SEARCH if num_tokens > batch else 1,
         NARROW_Q=operands.narrows_q(dot_dtype, q.dtype), FP8_CVT_ASM=operands.fp8_cvt_asm(q.device),
-        FP8_Q=operands.quantizes_q(k_cache.dtype, q.device, tiles.mma_rows, d_pad),
-        KEY_LANES=tiles.key_lanes, KEYS_MAJOR=tiles.keys_major,
+        FP8_Q=operands.quantizes_q(k_cache.dtype, q.device, tiles.block_m, d_pad),
+        KEY_LANES=tiles.key_lanes,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, launch_pdl=use_pdl,
     )
     if split and not fused:

@@ -171,53 +171,6 @@ def _attend_key_tile_lanes(
 
 
 @triton.jit
-def _attend_key_tile_keys_major(
-    acc_t, m_i, l_i, q, q_lo, K, V, block_row, start, end, q_pos, kv_head, qk_scale,  #
-    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,  #
-    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr,  #
-    TOKENS_PER_BLOCK: tl.constexpr, MASKED: tl.constexpr, DOT_DTYPE: tl.constexpr,
-    FP8_CVT_ASM: tl.constexpr, FP8_Q: tl.constexpr,
-):
-    """`_attend_key_tile` with the keys as the MMAs' M dimension: S^T = K Q^T, O^T += V^T P^T.
-
-    acc_t [D_PAD, BLOCK_M] (O^T), m_i / l_i / qk_scale [BLOCK_M]. For tiles of few rows (decode):
-    the BLOCK_N keys fill the Hopper MMA's 64-row M, so over an fp8 cache the score dot runs in
-    e4m3 on the keys as stored (q in two terms, FP8_Q), where a 16-row tile widens every key to
-    fp16 for mma.sync; only the values are widened. Row max and sum reduce over axis 0.
-    """
-    n = start + tl.arange(0, BLOCK_N)
-    d = tl.arange(0, D_PAD)
-    d_ok = d < HEAD_DIM
-    n_ok = n < end
-    k_rows, v_rows = _key_rows(block_row, n, n_ok, kv_head, stride_kb, stride_kt, stride_kh,  # [BLOCK_N]
-                               stride_vb, stride_vt, stride_vh, TOKENS_PER_BLOCK, MASKED)
-    if MASKED or D_PAD != HEAD_DIM:
-        kv_mask = n_ok[:, None] & d_ok[None, :]
-        k = tl.load(K + k_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, D_PAD]
-        v = tl.load(V + v_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
-    else:
-        k = tl.load(K + k_rows[:, None] + d[None, :])
-        v = tl.load(V + v_rows[:, None] + d[None, :])
-    if FP8_Q:
-        s_t = tl.dot(k, tl.trans(q_lo), tl.dot(k, tl.trans(q)))  # [BLOCK_N, BLOCK_M] raw scores
-    else:
-        s_t = tl.dot(k.to(DOT_DTYPE), tl.trans(q))
-    if MASKED:
-        s_t = tl.where((n[:, None] <= q_pos[None, :]) & n_ok[:, None], s_t, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s_t, 0) * qk_scale)
-    if MASKED:  # a row may see no key of a diagonal tile yet (or of this split)
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-    else:
-        m_ref = m_new
-    p_t = tl.exp2(s_t * qk_scale[None, :] - m_ref[None, :])
-    alpha = tl.exp2(m_i - m_ref)
-    l_i = l_i * alpha + tl.sum(p_t, 0)
-    v_t = tl.trans(operands.widen_values(v, DOT_DTYPE, FP8_CVT_ASM))  # [D_PAD, BLOCK_N]
-    acc_t = tl.dot(v_t, p_t.to(DOT_DTYPE), acc_t * alpha[None, :])
-    return acc_t, m_new, l_i
-
-
-@triton.jit
 def merge_lanes(acc, m_i, l_i):
     """Fold the lanes' states [LANES, M, D] / [LANES, M] into one (acc [M, D], m_i [M], l_i [M])."""
     m = tl.max(m_i, 0)
@@ -242,7 +195,7 @@ def _paged_attention_kernel(
     TOKENS_PER_BLOCK: tl.constexpr, SCALES_ON_DEVICE: tl.constexpr, SPLIT: tl.constexpr,  #
     FUSED_MERGE: tl.constexpr, MERGE_CHUNK: tl.constexpr, DOT_DTYPE: tl.constexpr,
     USE_PDL: tl.constexpr, SEQ_SEARCH: tl.constexpr, NARROW_Q: tl.constexpr, FP8_CVT_ASM: tl.constexpr,
-    FP8_Q: tl.constexpr, KEY_LANES: tl.constexpr, KEYS_MAJOR: tl.constexpr,
+    FP8_Q: tl.constexpr, KEY_LANES: tl.constexpr,
 ):
     # Last tiles first: a causal chunk's later tiles see more keys, so they should not be the tail.
     tile_id = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -294,23 +247,7 @@ def _paged_attention_kernel(
     # Keys below ctx_len + tile_q0 + 1 are visible to every row of the tile: no mask needed.
     full_end = tl.maximum(tl.minimum(hi, ctx_len + tile_q0 + 1), lo)
     full_end = lo + (full_end - lo) // BLOCK_N * BLOCK_N
-    if KEYS_MAJOR:
-        tl.static_assert(KEY_LANES == 1, "a keys-major tile keeps one softmax state per row")
-        acc_t = tl.zeros([D_PAD, BLOCK_M], dtype=tl.float32)
-        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-        for start in range(lo, full_end, BLOCK_N):
-            acc_t, m_i, l_i = _attend_key_tile_keys_major(
-                acc_t, m_i, l_i, q, q_lo, K, V, block_row, start, hi, q_pos, kv_head, qk_scale,
-                stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-                HEAD_DIM, D_PAD, BLOCK_N, TOKENS_PER_BLOCK, False, DOT_DTYPE, FP8_CVT_ASM, FP8_Q)
-        for start in range(full_end, hi, BLOCK_N):
-            acc_t, m_i, l_i = _attend_key_tile_keys_major(
-                acc_t, m_i, l_i, q, q_lo, K, V, block_row, start, hi, q_pos, kv_head, qk_scale,
-                stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-                HEAD_DIM, D_PAD, BLOCK_N, TOKENS_PER_BLOCK, True, DOT_DTYPE, FP8_CVT_ASM, FP8_Q)
-        acc = tl.trans(acc_t)
-    elif KEY_LANES > 1:
+    if KEY_LANES > 1:
         tl.static_assert(not FP8_Q, "key lanes take one q term (tiles of <= 32 rows keep fp16 scores)")
         q3 = tl.broadcast_to(q[None, :, :], (KEY_LANES, BLOCK_M, D_PAD))
         acc3 = tl.zeros([KEY_LANES, BLOCK_M, D_PAD], dtype=tl.float32)

@@ -253,24 +253,9 @@ def test_key_lanes_fold_to_the_same_attention(block_n, key_lanes, num_splits):
     assert_close(out, attention_f64(**batch), torch.float32)
 
 
-@pytest.mark.parametrize(("block_q", "block_m", "block_n", "num_splits"),
-                         [(4, 16, 32, None), (4, 16, 16, 3), (8, 32, 32, None)])
-def test_keys_major_tiles_fold_to_the_same_attention(block_q, block_m, block_n, num_splits):
-    # the keys on the dots' M dimension (S^T = K Q^T, O^T += V^T P^T): causal diagonal tiles, a
-    # sequence with no cached keys, lengths ending mid-tile, row padding (group 4 x 4 positions in
-    # 16 rows, 5 x 4 of 8 positions in 32), forced splits with empty ones
-    batch = make_batch([1, 4, 1, 3, 5], [37, 50, 0, 21, 90], 8, 2, 32, dtype=torch.float32)
-    out = torch.full_like(batch["q"], float("nan"))
-    tiles = TileConfig(block_q, block_m, block_n, 4, 1, keys_major=True)
-    _launch_paged_attention(batch["q"], batch["k_cache"], batch["v_cache"], batch["block_table"],
-                            batch["seq_lens"], batch["query_start_loc"], None, None, None, num_splits, out,
-                            tiles=tiles)
-    assert_close(out, attention_f64(**batch), torch.float32)
-
-
 @pytest.mark.parametrize(("tiles", "message"), [
     (TileConfig(4, 16, 32, 4, 1, 3), "power of two"), (TileConfig(4, 16, 32, 4, 1, 4), ">= 16 keys"),
-    (TileConfig(16, 64, 64, 4, 1, 2), "<= 32 rows"), (TileConfig(4, 16, 64, 4, 1, 2, True), "keys-major")])
+    (TileConfig(16, 64, 64, 4, 1, 2), "<= 32 rows")])
 def test_key_lanes_the_tile_cannot_take_are_rejected(tiles, message):
     batch = make_batch([1, 1], [20, 5])
     out = torch.full_like(batch["q"], float("nan"))
@@ -310,47 +295,20 @@ def test_gpu_fp8_cache_with_device_scales():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape", ["default", "key lanes"])
 @pytest.mark.parametrize("q_len", [1, 4])
-def test_gpu_fp8_tiles_of_16_rows_for_a_batch_that_fills_the_gpu(q_len, shape):
-    # 24 sequences x 8 KV heads fill the SMs (no split); contexts of 1 to 2100 keys end mid-tile and
-    # mid-lane. The default on an H200 is keys-major (e4m3 score dots); key lanes serve other GPUs
+def test_gpu_fp8_key_lanes_chosen_for_a_batch_that_fills_the_gpu(q_len):
+    # 24 sequences x 8 KV heads fill the SMs (no split): fp8 tiles of 16 rows take 4 key lanes;
+    # contexts of 1 to 2100 keys end mid-tile and mid-lane
     ctx = [1 + (i * 397) % 2100 for i in range(24)]
     batch = make_batch([q_len] * 24, ctx, 32, 8, 128, dtype=torch.bfloat16, device="cuda")
-    assert kernels.split_kv.plan_max_splits(24 * 8, torch.device("cuda")) == 1
+    items = 24 * 8
+    assert kernels.split_kv.plan_max_splits(items, torch.device("cuda")) == 1
     tiles = default_tiles(24 * q_len, 24, 32, 8, 128, torch.device("cuda"), torch.float8_e4m3fn)
-    assert tiles.keys_major == (torch.cuda.get_device_capability()[0] == 9)
-    if shape == "key lanes":
-        tiles = tiles._replace(keys_major=False, key_lanes=4)
+    assert tiles.key_lanes == 4
     batch["k_cache"] = (batch["k_cache"].float() / 0.5).to(torch.float8_e4m3fn)
     batch["v_cache"] = (batch["v_cache"].float() / 0.25).to(torch.float8_e4m3fn)
-    out = torch.full_like(batch["q"], float("nan"))
-    _launch_paged_attention(batch["q"], batch["k_cache"], batch["v_cache"], batch["block_table"],
-                            batch["seq_lens"], batch["query_start_loc"], None, 0.5, 0.25, None, out,
-                            tiles=tiles)
-    assert_close(out, attention_f64(**batch, k_scale=0.5, v_scale=0.25), torch.bfloat16)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize(("cache", "q_lens", "num_splits"), [
-    ("fp8", [1, 1, 3], None), ("fp8", [4, 2], 5), ("bf16", [1, 4, 1], None), ("bf16", [8, 1], None)])
-def test_gpu_keys_major_tiles_split_and_whole(cache, q_lens, num_splits):
-    # keys-major tiles (e4m3 score dots over fp8) on splits of long contexts and on whole short ones;
-    # bf16 and 32-row tiles are not defaults but must fold the same attention
-    ctx = [9000, 33, 4097][:len(q_lens)]
-    batch = make_batch(q_lens, ctx, 32, 8, 128, dtype=torch.bfloat16, device="cuda")
-    scales = {}
-    if cache == "fp8":
-        scales = dict(k_scale=0.5, v_scale=0.25)
-        batch["k_cache"] = (batch["k_cache"].float() / 0.5).to(torch.float8_e4m3fn)
-        batch["v_cache"] = (batch["v_cache"].float() / 0.25).to(torch.float8_e4m3fn)
-    block_q = 8 if max(q_lens) > 4 else 4
-    tiles = TileConfig(block_q, block_q * 4, 128, 4, 3, keys_major=True)
-    out = torch.full_like(batch["q"], float("nan"))
-    _launch_paged_attention(batch["q"], batch["k_cache"], batch["v_cache"], batch["block_table"],
-                            batch["seq_lens"], batch["query_start_loc"], None, scales.get("k_scale"),
-                            scales.get("v_scale"), num_splits, out, tiles=tiles)
-    assert_close(out, attention_f64(**batch, **scales), torch.bfloat16)
+    expected = attention_f64(**batch, k_scale=0.5, v_scale=0.25)
+    assert_close(run_kernel(batch, k_scale=0.5, v_scale=0.25), expected, torch.bfloat16)
 
 
 @pytest.mark.gpu

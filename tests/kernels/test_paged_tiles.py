@@ -1,4 +1,4 @@
-"""The paged kernel's launch-shape rules: `choose_tiles`, keys-major tiles, key lanes, `default_tiles`.
+"""The paged kernel's launch-shape rules: `choose_tiles`, key lanes, `default_tiles`.
 
 They read static shapes and dtypes only, so their GPU rules are checked here without a GPU; the
 shapes they pick are run against a float64 oracle in test_paged_attention.py.
@@ -6,21 +6,10 @@ shapes they pick are run against a float64 oracle in test_paged_attention.py.
 
 from unittest import mock
 
-import pytest
 import torch
 
-from kernels import operands, split_kv
-from kernels.paged_attention import choose_tiles, default_tiles, with_key_lanes, with_keys_major
-
-CUDA = torch.device("cuda", 0)  # an index: the rules may ask the device's capability, mocked here
-
-
-@pytest.fixture
-def hopper():
-    """The rules see an sm_90 GPU with 132 SMs (an H200), without one."""
-    with mock.patch.object(operands, "_is_hopper", lambda index: True), \
-            mock.patch.object(split_kv, "num_sms", lambda device: 132):
-        yield
+from kernels import split_kv
+from kernels.paged_attention import choose_tiles, default_tiles, with_key_lanes
 
 
 def test_gpu_tile_rules_follow_the_regime_and_the_operand_width():
@@ -36,7 +25,7 @@ def test_gpu_tile_rules_follow_the_regime_and_the_operand_width():
     assert (q8_fp8.block_q, q8_fp8.block_m, q8_fp8.block_n) == (8, 32, 128)
     for cache, stages in ((bf16, 3), (fp8, 3)):
         prefill = choose_tiles(8192, 1, 4, 128, cuda, cache)
-        assert tuple(prefill) == (64, 256, 64, 8, stages, 1, False)  # ..., lanes, keys-major
+        assert tuple(prefill) == (64, 256, 64, 8, stages, 1)  # (q, m, n, warps, stages, key lanes)
     wide = choose_tiles(8192, 1, 4, 128, cuda, fp32, fp32)  # 32-bit operands: half the rows, 2 stages
     assert (wide.block_m, wide.num_stages) == (128, 2)
     assert choose_tiles(8192, 1, 4, 256, cuda, bf16).block_m == 128  # D 256
@@ -48,7 +37,7 @@ def test_gpu_key_lanes_only_for_fp8_tiles_of_16_rows_that_walk_whole_contexts():
     # measured on an H200: faster for fp8 decode / short verify without splits, slower elsewhere
     cuda, fp8, bf16 = torch.device("cuda"), torch.float8_e4m3fn, torch.bfloat16
     decode = choose_tiles(128, 128, 4, 128, cuda, fp8)
-    assert tuple(with_key_lanes(decode, fp8, False, cuda)) == (4, 16, 128, 4, 3, 4, False)
+    assert tuple(with_key_lanes(decode, fp8, False, cuda)) == (4, 16, 128, 4, 3, 4)
     q4 = choose_tiles(4 * 32, 32, 4, 128, cuda, fp8)  # 16 rows
     assert with_key_lanes(q4, fp8, False, cuda).key_lanes == 4
     assert with_key_lanes(decode, fp8, True, cuda) == decode  # split: few tiles per program
@@ -57,26 +46,7 @@ def test_gpu_key_lanes_only_for_fp8_tiles_of_16_rows_that_walk_whole_contexts():
     assert with_key_lanes(q8, fp8, False, cuda) == q8
     cpu_tiles = choose_tiles(128, 128, 4, 128, torch.device("cpu"), fp8)
     assert with_key_lanes(cpu_tiles, fp8, False, torch.device("cpu")) == cpu_tiles  # interpreter tiles
-    assert with_key_lanes(decode._replace(keys_major=True), fp8, False, cuda).key_lanes == 1
-    with mock.patch.object(split_kv, "num_sms", lambda device: 132), \
-            mock.patch.object(operands, "_is_hopper", lambda index: False):  # sm_89: no keys-major tiles
-        assert default_tiles(128, 128, 32, 8, 128, CUDA, fp8).key_lanes == 4  # 1024 items: no split
-        assert default_tiles(1, 1, 32, 8, 128, CUDA, fp8).key_lanes == 1  # 8 items: split
-        assert default_tiles(128, 128, 32, 8, 128, CUDA, fp8, num_splits=2).key_lanes == 1
-
-
-def test_gpu_fp8_tiles_of_16_rows_go_keys_major_on_hopper(hopper):
-    # the keys fill the Hopper MMA's M, so the score dot runs in e4m3 on the stored keys
-    fp8, bf16 = torch.float8_e4m3fn, torch.bfloat16
-    for num_tokens, num_seqs in ((128, 128), (1, 1), (4 * 32, 32)):  # decode (whole, split), q_len 4
-        tiles = default_tiles(num_tokens, num_seqs, 32, 8, 128, CUDA, fp8)
-        assert tiles.keys_major and tiles.key_lanes == 1 and tiles.num_stages == 3
-        assert tiles.mma_rows == tiles.block_n == 128 and tiles.block_m == 16
-        assert operands.quantizes_q(fp8, CUDA, tiles.mma_rows, 128)
-    assert not default_tiles(128, 128, 32, 8, 128, CUDA, bf16).keys_major  # bf16 keeps rows-major tiles
-    assert not default_tiles(8 * 32, 32, 32, 8, 128, CUDA, fp8).keys_major  # 32 rows
-    assert not default_tiles(8192, 1, 32, 8, 128, CUDA, fp8).keys_major  # prefill
-    cpu = torch.device("cpu")
-    cpu_tiles = choose_tiles(128, 128, 4, 128, cpu, fp8)
-    assert with_keys_major(cpu_tiles, fp8, 128, cpu) == cpu_tiles  # interpreter tiles
-    assert not with_keys_major(choose_tiles(128, 128, 4, 16, CUDA, fp8), fp8, 16, CUDA).keys_major  # D 16
+    with mock.patch.object(split_kv, "num_sms", lambda device: 132):  # what the launcher takes
+        assert default_tiles(128, 128, 32, 8, 128, cuda, fp8).key_lanes == 4  # 1024 items: no split
+        assert default_tiles(1, 1, 32, 8, 128, cuda, fp8).key_lanes == 1  # 8 items: split
+        assert default_tiles(128, 128, 32, 8, 128, cuda, fp8, num_splits=2).key_lanes == 1

@@ -11,9 +11,6 @@ e4m3 (QGMMA, for q's two terms) with the keys as stored, so only the values are
 widened; an fp8 dot that Triton lowered by widening both operands again would keep the cost and lose
 nothing visible in the outputs.
 
-A keys-major decode tile (`TileConfig.keys_major`) must reach that e4m3 MMA too, with the keys on its
-M dimension: its key loop widens the values only, half of what the 16-row tile widens.
-
 Key lanes (`TileConfig.key_lanes`) must keep a decode tile's row max and sum inside warps: fewer CTA
 barriers in the key loop than the same tile with its keys split over the warps.
 """
@@ -83,14 +80,3 @@ def test_key_lanes_keep_row_reductions_out_of_cta_barriers(cache):
     _, lane_barriers, spills = key_loop(*flags, "--key-lanes", "4")
     assert lane_barriers < split_barriers
     assert spills == 0
-
-
-def test_keys_major_decode_tile_dots_the_stored_keys_in_e4m3():
-    flags = ["--kernel", "paged", "--cache", "fp8", "--tile", "4,16,128", "--stages", "3", "--loop"]
-    rows_major = opcode_counts(*flags)
-    keys_major = opcode_counts(*flags, "--keys-major", "--fp8-q")
-    widen = "F2FP.F16.E4M3.UNPACK_B"
-    assert rows_major.get("QGMMA.64", 0) == 0 and rows_major["HMMA.16816.F32"] > 0
-    assert keys_major.get("QGMMA.64", 0) > 0 and keys_major.get("HMMA.16816.F32", 0) == 0
-    assert 2 * keys_major[widen] == rows_major[widen]  # K [128, 128] and V before, V alone now
-    assert not any(op.startswith(("LDL", "STL")) for op in keys_major)
