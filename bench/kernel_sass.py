@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python bench/kernel_sass.py [--kernel paged|context] [--cache fp8|bf16]
         [--tile Q,M,N] [--rows R] [--warps W] [--stages S] [--split] [--no-cvt-asm] [--fp8-q]
-        [--key-lanes L] [--source FILE] [--keep DIR] [--top N]
+        [--key-lanes L] [--source FILE] [--keep DIR] [--loop] [--top N]
 
 Compiles one launch configuration of `kernels.paged_attention_kernel._paged_attention_kernel` (or of
 `kernels.context_attention_kernel._context_attention_kernel`) with Triton for an H100/H200 target
@@ -147,6 +147,7 @@ def main() -> None:
     parser.add_argument("--key-lanes", type=int, default=1, help="paged kernel: softmax states per row")
     parser.add_argument("--source", type=Path, help="another version of the kernel file")
     parser.add_argument("--keep", type=Path, help="write TTGIR, PTX and SASS here")
+    parser.add_argument("--loop", action="store_true", help="histogram of the key loop, not the whole kernel")
     parser.add_argument("--top", type=int, default=30, help="opcodes to print (0: all)")
     args = parser.parse_args()
     args.tile = tuple(int(x) for x in args.tile.split(","))
@@ -169,7 +170,7 @@ def main() -> None:
     loop = first_loop(sass)
     print(f"key loop: {sum(loop.values())} instructions, {loop['BAR.SYNC.DEFER_BLOCKING']} CTA barriers, "
           f"{sum(n for op, n in loop.items() if op.startswith(('LDL', 'STL')))} local-memory accesses")
-    for opcode, count in counts.most_common(args.top or None):
+    for opcode, count in (loop if args.loop else counts).most_common(args.top or None):
         print(f"{count:6d}  {opcode}")
 
 

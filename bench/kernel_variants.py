@@ -18,7 +18,9 @@ over rotated block tables, median of replays; outputs checked against SDPA over 
 where B x ctx <= 1M) and bench/context_attention.py's (D 128, Q 16, group 4, 32-token pages).
 After the source variants (paged, then context), launch-shape variants of the working tree's
 paged kernel run on the same inputs (`SHAPE_VARIANTS`: other tiles, a forced split count), each
-next to the default (`--part shapes`: only those). `--cache` keeps the cases of one cache dtype.
+next to the default, then tiles of the context kernel's single pass (`CONTEXT_SHAPES`, with
+`--part shapes` or `context`) next to its default (`--part shapes`: only the shape variants).
+`--cache` keeps the cases of one cache dtype.
 Writes DIR/kernel_variants.{json,md} after every case.
 """
 
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import datetime
 import importlib.util
 import json
@@ -42,6 +45,7 @@ import torch
 import triton
 
 from kernels import context_attention as ca
+from kernels import split_kv
 from kernels.paged_attention import TileConfig, default_tiles
 
 log = logging.getLogger("bench.kernel_variants")
@@ -63,13 +67,29 @@ CONTEXT_CASES = [
 ]
 # (name, cache, q_len, B, ctx, tiles or None for the default, num_splits or None for the plan)
 SHAPE_VARIANTS = [  # earlier sets are in bench/results/kernel_variants_*.json
-    # the tiles before fp8 decode-size tiles took key lanes (`with_key_lanes`), next to the new default
-    ("fp8 decode, no key lanes (before)", "fp8", 1, 32, 2048, TileConfig(4, 16, 128, 4, 2), None),
-    ("fp8 decode, no key lanes (before)", "fp8", 1, 32, 8192, TileConfig(4, 16, 128, 4, 2), None),
-    ("fp8 decode, no key lanes (before)", "fp8", 1, 32, 32768, TileConfig(4, 16, 128, 4, 2), None),
-    ("fp8 decode, no key lanes (before)", "fp8", 1, 128, 2048, TileConfig(4, 16, 128, 4, 2), None),
-    ("fp8 decode, no key lanes (before)", "fp8", 1, 128, 8192, TileConfig(4, 16, 128, 4, 2), None),
-    ("fp8 q_len 4, no key lanes (before)", "fp8", 4, 32, 8192, TileConfig(4, 16, 128, 4, 2), None),
+    # 5 stages: the first count at which Triton double-buffers K and V behind the page-id loads of
+    # these tiles (an offline sm_90 build: 3 and 4 stages keep one buffer, so each tile's loads wait
+    # for the previous tile's compute)
+    *[("fp8 decode, key lanes, 5 stages", "fp8", 1, b, c, TileConfig(4, 16, 128, 4, 5, 4), None)
+      for b, c in ((32, 2048), (32, 8192), (32, 32768), (128, 2048), (128, 8192))],
+    ("fp8 q_len 4, key lanes, 5 stages", "fp8", 4, 32, 8192, TileConfig(4, 16, 128, 4, 5, 4), None),
+    *[("fp8 decode, 5 stages", "fp8", 1, b, 8192, TileConfig(4, 16, 128, 4, 5), None)
+      for b in (1, 8, 32, 128)],
+    *[("fp8 q_len 8, 5 stages", "fp8", 8, b, c, TileConfig(8, 32, n, 4, 5), None)
+      for b, c in ((32, 8192), (128, 2048)) for n in (128, 64)],
+    *[("bf16 decode, 64 keys, 5 stages", "bf16", 1, b, c, TileConfig(4, 16, 64, 4, 5), None)
+      for b, c in ((1, 8192), (8, 8192), (32, 2048), (128, 2048), (128, 8192))],
+    *[("bf16 decode, 5 stages", "bf16", 1, b, 2048, TileConfig(4, 16, 128, 4, 5), None) for b in (32, 128)],
+    *[("bf16 q_len 8, 64 keys, 5 stages", "bf16", 8, b, c, TileConfig(8, 32, 64, 4, 5), None)
+      for b, c in ((32, 8192), (128, 2048))],
+]
+# (name, cache, NKV, B, ctx, LaunchConfig) of the context kernel's single pass, next to its default
+CONTEXT_SHAPES = [
+    *[("bf16, 5 stages", "bf16", nkv, b, c, ca.LaunchConfig(64, 4, 5))
+      for nkv, b, c in ((4, 256, 2048), (8, 64, 2048), (8, 64, 8192))],
+    *[("fp8, 64 keys, 5 stages", "fp8", nkv, b, c, ca.LaunchConfig(64, 4, 5))
+      for nkv, b, c in ((4, 256, 2048), (8, 64, 8192))],
+    ("fp8, 5 stages", "fp8", 8, 64, 8192, ca.LaunchConfig(128, 4, 5)),
 ]
 
 
@@ -176,6 +196,31 @@ def measure_shape(geo, pools, variant, device) -> dict:
     return row
 
 
+def tile_text(t: dict) -> str:
+    return (f"{t['block_q']}, {t['block_m']}, {t['block_n']}, {t['num_warps']}, {t['num_stages']}, "
+            f"{t.get('key_lanes', 1)}")
+
+
+def measure_context_shape(device, gen, variant) -> dict:
+    """The context kernel's single pass with the default tiles and with `variant`'s, same inputs."""
+    name, dtype_name, nkv, batch, ctx, config = variant
+    sets, kv_bytes = cab.make_sets(batch, ctx, nkv, dtype_name, device, gen)
+    rows = cab.NUM_Q * cab.GROUP
+    default = ca.default_config(rows, cab.cache_dtype(dtype_name), device)
+    ref = ca.reference.paged_context_attention(**sets[0], **cab.scales(dtype_name))
+    row = {"name": name, "cache": dtype_name, "nkv": nkv, "batch": batch, "ctx": ctx, "kv_bytes": kv_bytes,
+           "us": {}, "err": {}, "configs": {}}
+    for label, cfg in (("default", default), ("variant", config)):
+        launches = [cab._configured_launch(s, dtype_name, 1, split_kv.min_tokens_per_split(rows), cfg)
+                    for s in sets]
+        row["us"][label] = cab.time_graph(launches)
+        row["err"][label] = cab.relative_error(launches[0](), ref)
+        row["configs"][label] = dataclasses.asdict(cfg)
+    del sets
+    torch.cuda.empty_cache()
+    return row
+
+
 def markdown(result) -> str:
     ceil = result["ceilings"]
     names = list(result["variants"])
@@ -210,16 +255,28 @@ def markdown(result) -> str:
                      + f" | {r['us'][NOW] / r['us'][base]:.3f} | {rate:.0f}% | "
                      + f"{max(r['err'].values()):.1e} |")
     lines += ["", f"## Launch shapes of the paged kernel (`{NOW}`), next to its defaults", "",
+              "Tiles: q, m, n, warps, stages, key lanes.", "",
               "| variant | cache | q_len | B | ctx | default us | variant us | variant / default | "
-              "variant rate | tiles (q, m, n, warps, stages, key lanes) |", "|" + "---|" * 10]
+              "default rate | variant rate | default tiles | variant tiles |", "|" + "---|" * 12]
     for r in result["shapes"]:
-        rate = paged_rate({**r, "seconds": r["us"]["variant"] * 1e-6}, ceil)
-        t = r["variant_tiles"]
+        rates = [paged_rate({**r, "seconds": r["us"][key] * 1e-6}, ceil) for key in ("default", "variant")]
         lines.append(f"| {r['name']} | {r['cache']} | {r['q_len']} | {r['batch']} | {r['ctx']} | "
                      f"{r['us']['default']:.1f} | {r['us']['variant']:.1f} | "
-                     f"{r['us']['variant'] / r['us']['default']:.3f} | {rate:.0f}% | "
-                     f"{t['block_q']}, {t['block_m']}, {t['block_n']}, {t['num_warps']}, {t['num_stages']}, "
-                     f"{t.get('key_lanes', 1)} |")
+                     f"{r['us']['variant'] / r['us']['default']:.3f} | {rates[0]:.0f}% | {rates[1]:.0f}% | "
+                     f"{tile_text(r['default_tiles'])} | {tile_text(r['variant_tiles'])} |")
+    lines += ["", "## Tiles of the context kernel's single pass, next to its defaults", "",
+              "Tiles: keys, warps, stages.", "",
+              "| variant | cache | NKV | B | ctx | default us | variant us | variant / default | "
+              "default rate | variant rate | default tiles | variant tiles | error |", "|" + "---|" * 13]
+    for r in result.get("context_shapes", []):
+        both = ("default", "variant")
+        rates = [100 * r["kv_bytes"] / (r["us"][k] * 1e-6) / ceil["copy_bytes_per_s"] for k in both]
+        cfgs = [r["configs"][k] for k in both]
+        lines.append(f"| {r['name']} | {r['cache']} | {r['nkv']} | {r['batch']} | {r['ctx']} | "
+                     f"{r['us']['default']:.1f} | {r['us']['variant']:.1f} | "
+                     f"{r['us']['variant'] / r['us']['default']:.3f} | {rates[0]:.0f}% | {rates[1]:.0f}% | "
+                     + " | ".join(f"{c['block_n']}, {c['num_warps']}, {c['num_stages']}" for c in cfgs)
+                     + f" | {max(r['err'].values()):.1e} |")
     return "\n".join(lines) + "\n"
 
 
@@ -252,7 +309,8 @@ def main() -> None:
                          + " ".join(f"--variant {v}" for v in args.variant)
                          + f" --commit {args.commit} --part {args.part}"
                          + (f" --cache {args.cache}" if args.cache else ""),
-              "ceilings": pab.ceilings(device, smoke=False), "paged": [], "context": [], "shapes": []}
+              "ceilings": pab.ceilings(device, smoke=False), "paged": [], "context": [], "shapes": [],
+              "context_shapes": []}
     args.out.mkdir(parents=True, exist_ok=True)
 
     def save():
@@ -280,6 +338,14 @@ def main() -> None:
         if time.monotonic() < end and args.cache in (None, variant[1]):
             result["shapes"].append(measure_shape(geo, pools, variant, device))
             log.info("%s", result["shapes"][-1])
+            save()
+    pools.clear()
+    torch.cuda.empty_cache()
+    gen = torch.Generator().manual_seed(1)
+    for variant in CONTEXT_SHAPES if args.part in ("context", "shapes") else ():
+        if time.monotonic() < end and args.cache in (None, variant[1]):
+            result["context_shapes"].append(measure_context_shape(device, gen, variant))
+            log.info("%s", result["context_shapes"][-1])
             save()
     save()
 
