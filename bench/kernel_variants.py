@@ -67,29 +67,29 @@ CONTEXT_CASES = [
 ]
 # (name, cache, q_len, B, ctx, tiles or None for the default, num_splits or None for the plan)
 SHAPE_VARIANTS = [  # earlier sets are in bench/results/kernel_variants_*.json
-    # 5 stages: the first count at which Triton double-buffers K and V behind the page-id loads of
-    # these tiles (an offline sm_90 build: 3 and 4 stages keep one buffer, so each tile's loads wait
-    # for the previous tile's compute)
-    *[("fp8 decode, key lanes, 5 stages", "fp8", 1, b, c, TileConfig(4, 16, 128, 4, 5, 4), None)
-      for b, c in ((32, 2048), (32, 8192), (32, 32768), (128, 2048), (128, 8192))],
-    ("fp8 q_len 4, key lanes, 5 stages", "fp8", 4, 32, 8192, TileConfig(4, 16, 128, 4, 5, 4), None),
-    *[("fp8 decode, 5 stages", "fp8", 1, b, 8192, TileConfig(4, 16, 128, 4, 5), None)
-      for b in (1, 8, 32, 128)],
-    *[("fp8 q_len 8, 5 stages", "fp8", 8, b, c, TileConfig(8, 32, n, 4, 5), None)
-      for b, c in ((32, 8192), (128, 2048)) for n in (128, 64)],
-    *[("bf16 decode, 64 keys, 5 stages", "bf16", 1, b, c, TileConfig(4, 16, 64, 4, 5), None)
-      for b, c in ((1, 8192), (8, 8192), (32, 2048), (128, 2048), (128, 8192))],
-    *[("bf16 decode, 5 stages", "bf16", 1, b, 2048, TileConfig(4, 16, 128, 4, 5), None) for b in (32, 128)],
-    *[("bf16 q_len 8, 64 keys, 5 stages", "bf16", 8, b, c, TileConfig(8, 32, 64, 4, 5), None)
+    # More stages: Triton double-buffers K and V behind the page-id loads of these tiles from 5 stages
+    # on, triple-buffers from 7 (3 and 4 keep one buffer: each tile's loads wait for the previous
+    # tile's compute); the 5-stage set of kernel_variants_15_stages.md, continued
+    *[("fp8 decode, key lanes, 7 stages", "fp8", 1, b, c, TileConfig(4, 16, 128, 4, 7, 4), None)
+      for b, c in ((32, 8192), (32, 32768), (128, 2048), (128, 8192))],
+    *[("fp8 decode split, 5 stages", "fp8", 1, b, c, TileConfig(4, 16, 128, 4, 5), None)
+      for b, c in ((1, 2048), (1, 32768), (8, 2048), (8, 32768))],
+    *[("fp8 q_len 8, 5 stages", "fp8", 8, b, c, TileConfig(8, 32, 128, 4, 5), None)
+      for b, c in ((1, 8192), (8, 8192), (32, 2048), (128, 8192))],
+    ("fp8 q_len 8, 7 stages", "fp8", 8, 32, 8192, TileConfig(8, 32, 128, 4, 7), None),
+    *[("fp8 q_len 16, 5 stages", "fp8", 16, b, c, TileConfig(16, 64, 128, 4, 5), None)
+      for b, c in ((32, 8192), (128, 2048), (128, 8192))],
+    *[("bf16 q_len 16, 5 stages", "bf16", 16, b, c, TileConfig(16, 64, 64, 4, 5), None)
+      for b, c in ((32, 2048), (32, 8192), (128, 2048))],
+    *[("bf16 q_len 8, 5 stages", "bf16", 8, b, c, TileConfig(8, 32, 128, 4, 5), None)
       for b, c in ((32, 8192), (128, 2048))],
 ]
 # (name, cache, NKV, B, ctx, LaunchConfig) of the context kernel's single pass, next to its default
 CONTEXT_SHAPES = [
     *[("bf16, 5 stages", "bf16", nkv, b, c, ca.LaunchConfig(64, 4, 5))
-      for nkv, b, c in ((4, 256, 2048), (8, 64, 2048), (8, 64, 8192))],
-    *[("fp8, 64 keys, 5 stages", "fp8", nkv, b, c, ca.LaunchConfig(64, 4, 5))
-      for nkv, b, c in ((4, 256, 2048), (8, 64, 8192))],
-    ("fp8, 5 stages", "fp8", 8, 64, 8192, ca.LaunchConfig(128, 4, 5)),
+      for nkv, b, c in ((4, 64, 8192), (4, 256, 8192), (8, 256, 2048), (4, 64, 32768))],
+    *[("bf16, 7 stages", "bf16", nkv, b, c, ca.LaunchConfig(64, 4, 7))
+      for nkv, b, c in ((8, 64, 8192), (4, 256, 2048))],
 ]
 
 
