@@ -40,10 +40,10 @@ ROTATE_BYTES, MAX_SETS = 256 << 20, 64
 K_SCALE, V_SCALE = 0.5, 2.0
 # (batch, dtype, path) -> tile configs tried at ctx 8192, NKV 4; the first of each is the default
 TUNE_CONFIGS = {
-    "single bf16": [ca.LaunchConfig(64, 4, 3), ca.LaunchConfig(64, 4, 4), ca.LaunchConfig(128, 4, 3)],
+    "single bf16": [ca.LaunchConfig(64, 4, 5), ca.LaunchConfig(64, 4, 3), ca.LaunchConfig(128, 4, 3)],
     "single fp8": [ca.LaunchConfig(128, 4, 3), ca.LaunchConfig(64, 4, 3), ca.LaunchConfig(128, 4, 4)],
-    "split bf16": [ca.LaunchConfig(64, 4, 3), ca.LaunchConfig(64, 4, 2), ca.LaunchConfig(32, 4, 4),
-                   ca.LaunchConfig(64, 4, 4), ca.LaunchConfig(64, 4, 3, merge_chunk=16)],
+    "split bf16": [ca.LaunchConfig(64, 4, 3), ca.LaunchConfig(64, 4, 5), ca.LaunchConfig(64, 4, 2),
+                   ca.LaunchConfig(32, 4, 4), ca.LaunchConfig(64, 4, 3, merge_chunk=16)],
 }
 
 

@@ -57,16 +57,25 @@ class LaunchConfig:
     merge_chunk: int = 32  # splits one merge step loads at once
 
 
-def default_config(rows_pad: int, cache_dtype: torch.dtype, device: torch.device) -> LaunchConfig:
-    """Measured on an H200 (bench/results/context_attention_run3.md, tile sweep)."""
+def default_config(rows_pad: int, cache_dtype: torch.dtype, device: torch.device,
+                   split: bool = False) -> LaunchConfig:
+    """Measured on an H200 (bench/results/context_attention_run3.md, tile sweep; the single pass's
+    stages: kernel_variants_15_stages.md and _16_stages.md).
+
+    A 16-bit context's single pass takes 5 stages, the first count at which Triton double-buffers
+    its K/V behind the page-id loads in an offline sm_90 build (3 keep one buffer): 4-11% faster at
+    B 64-256 (NKV 4 B 256 ctx 8192: 90% -> 99% of copy), 7 stages 0-9% slower. The split path's
+    programs walk few tiles and keep 3; an fp8 context keeps 3 (5 stages: 7-28% slower).
+    """
     if device.type != "cuda":  # the interpreter: small tiles run faster in numpy
         return LaunchConfig(block_n=32, num_warps=4, num_stages=1, merge_chunk=4)
     if rows_pad >= 128:  # a 128 x D fp32 accumulator wants 8 warps' registers
         return LaunchConfig(block_n=64, num_warps=8, num_stages=2)
     if cache_dtype == FP8:  # half the bytes per tile: longer tiles amortise the widening to 16 bit
         return LaunchConfig(block_n=128, num_warps=4, num_stages=3)
-    return LaunchConfig(block_n=64, num_warps=4, num_stages=3)  # 4 stages: 1 program per SM
-
+    if split:
+        return LaunchConfig(block_n=64, num_warps=4, num_stages=3)
+    return LaunchConfig(block_n=64, num_warps=4, num_stages=5)
 
 
 # p x v_scale feeds the fp16 MMA over an fp8 context, so a Python-float v_scale above this keeps
@@ -229,4 +238,4 @@ def paged_context_attention(q, k_cache, v_cache, block_table, ctx_lens, k_noise,
     min_tokens = 1 if num_splits is not None else split_kv.min_tokens_per_split(rows_pad)
     return _launch_context_attention(q, k_cache, v_cache, block_table, ctx_lens, k_noise, v_noise, out,
                                      scale, k_scale, v_scale, max_splits, min_tokens,
-                                     default_config(rows_pad, k_cache.dtype, q.device))
+                                     default_config(rows_pad, k_cache.dtype, q.device, max_splits > 1))

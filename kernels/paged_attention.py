@@ -42,6 +42,10 @@ FUSED_MERGE_MAX_SPLITS = 4
 # on an H200 (bench/results/latency_ablation.md): bf16 verify 1-4% faster; pure decode batches
 # were up to 5% slower with it (fp8, B >= 32), so they keep the binary search. 1 turns it off.
 SEQ_SEARCH = 64
+# Pipeline stages at which Triton double-buffers the K/V tiles of decode-size tiles behind their page-id
+# loads, and the most splits per work item for which they pay (`with_double_buffering`).
+DOUBLE_BUFFER_STAGES = 5
+FEW_SPLITS = 4
 # fp32 elements of partial state one fused-merge step holds per thread (register budget).
 FUSED_MERGE_ELEMENTS_PER_THREAD = 64
 
@@ -113,13 +117,36 @@ def with_key_lanes(tiles: TileConfig, cache_dtype: torch.dtype, split: bool,
                    device: torch.device) -> TileConfig:
     """Chosen tiles with key lanes where they measured faster on an H200: fp8 tiles of <= 16 rows
     (decode, or verify of q_len x group <= 16) that walk whole contexts (no split) take 4 lanes of
-    32 keys and 3 stages: 5-9% faster at B 32-128, ctx >= 8192, 1-3% slower at ctx 2048
-    (bench/results/kernel_variants_13_key_lanes_default.md). Not where a program walks few tiles (B 1,
+    32 keys: 5-9% faster at B 32-128, ctx >= 8192, 1-3% slower at ctx 2048 (3 stages each,
+    bench/results/kernel_variants_13_key_lanes_default.md). Not where a program walks few tiles (B 1,
     split: 1.33x slower; B 32 ctx 2048: 1.03x), with 32-row tiles (q_len 8: 1.32x) or over bf16
-    caches (1.01-1.07x)."""
+    caches (1.01-1.07x). The stages are `with_double_buffering`'s."""
     if (device.type == "cuda" and cache_dtype == FP8 and not split and tiles.block_m <= 16
             and tiles.block_n == 128 and tiles.key_lanes == 1):
-        return tiles._replace(key_lanes=4, num_stages=3)
+        return tiles._replace(key_lanes=4)
+    return tiles
+
+
+def with_double_buffering(tiles: TileConfig, cache_dtype: torch.dtype, max_splits: int,
+                          device: torch.device) -> TileConfig:
+    """Chosen tiles with DOUBLE_BUFFER_STAGES where that measured faster on an H200.
+
+    Triton's pipeliner spends stages on the page-id loads that the K/V addresses wait for: in an
+    offline sm_90 build of these tiles, 3 or 4 stages keep ONE K and V buffer (the next tile's
+    loads start after this tile's dots), 5 give two. Side by side (bench/results/
+    kernel_variants_15_stages.md and _16_stages.md): fp8 decode with key lanes 4-15% faster (B 32
+    ctx 32768: 76% -> 89% of copy), split fp8 decode at B 8 2-14%, fp8 q_len 8 (32 rows) 5-9%,
+    bf16 q_len 16 (64 x 64) 4-6%. Not taken: programs of many splits (B 1, 33 splits: fp8 decode 4-8%
+    slower at ctx <= 8192, 12% faster at 32768, q_len 8 13% slower: each walks few tiles), bf16
+    decode and q_len 8 (12-32% slower: one program per SM where three fit), fp8 q_len 16 (21-30%,
+    its K/V already double-buffered) and 7 stages (5-18%, three buffers, one program per SM).
+    """
+    if device.type != "cuda" or max_splits > FEW_SPLITS:
+        return tiles
+    fp8_small = cache_dtype == FP8 and tiles.block_m <= 32 and tiles.block_n == 128
+    bf16_verify = cache_dtype.itemsize == 2 and tiles.block_m == 64 and tiles.block_n == 64
+    if fp8_small or bf16_verify:
+        return tiles._replace(num_stages=DOUBLE_BUFFER_STAGES)
     return tiles
 
 
@@ -127,7 +154,8 @@ def default_tiles(num_tokens: int, num_seqs: int, num_heads: int, num_kv_heads: 
                   device: torch.device, cache_dtype: torch.dtype = torch.bfloat16,
                   q_dtype: torch.dtype = torch.bfloat16, num_splits: int | None = None) -> TileConfig:
     """The launch shape `paged_attention` takes for these static shapes: `choose_tiles`, then key
-    lanes where the split plan leaves whole contexts to each program (benches time this one)."""
+    lanes where the split plan leaves whole contexts to each program and double-buffered stages where
+    it leaves few splits (benches time this one)."""
     return _default_plan(num_tokens, num_seqs, num_heads, num_kv_heads, head_dim, device, cache_dtype,
                          q_dtype, num_splits)[0]
 
@@ -136,12 +164,14 @@ def _default_plan(num_tokens, num_seqs, num_heads, num_kv_heads, head_dim, devic
                   num_splits) -> tuple[TileConfig, int, int]:
     """(tiles, max_splits, min_tokens_per_split) of a call that leaves the tiles to the launcher.
 
-    Key lanes change none of the tile sizes the split plan reads, so the plan holds after them."""
+    Key lanes and stages change none of the tile sizes the split plan reads, so the plan holds after
+    them."""
     tiles = choose_tiles(num_tokens, num_seqs, num_heads // num_kv_heads, head_dim, device, cache_dtype,
                          q_dtype)
     max_splits, min_tokens = _split_plan(num_tokens, num_seqs, num_heads, num_kv_heads, head_dim, tiles,
                                          num_splits, device)
-    return with_key_lanes(tiles, cache_dtype, max_splits > 1, device), max_splits, min_tokens
+    tiles = with_key_lanes(tiles, cache_dtype, max_splits > 1, device)
+    return with_double_buffering(tiles, cache_dtype, max_splits, device), max_splits, min_tokens
 
 
 def _is_scale(value) -> bool:

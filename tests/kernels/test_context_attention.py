@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import kernels
+from kernels import context_attention as ca
 from kernels import context_attention_kernel, operands
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -300,3 +301,15 @@ def test_gpu_batch_size_change_does_not_recompile():
         counts.append(sum(len(c[0]) for kernel in jitted for c in kernel.device_caches.values()))
     assert counts[0] == counts[-1], counts
 
+
+
+def test_gpu_launch_config_double_buffers_the_single_pass_of_a_16_bit_context():
+    # measured on an H200: 5 stages (two K/V buffers behind the page-id loads) for the bf16 single
+    # pass; split programs walk few tiles and an fp8 context measured slower, so both keep 3
+    cuda = torch.device("cuda")
+    single = ca.default_config(64, torch.bfloat16, cuda)
+    assert (single.block_n, single.num_warps, single.num_stages) == (64, 4, 5)
+    assert ca.default_config(64, torch.bfloat16, cuda, split=True).num_stages == 3
+    assert ca.default_config(64, torch.float8_e4m3fn, cuda).num_stages == 3
+    assert ca.default_config(128, torch.bfloat16, cuda).num_warps == 8  # 128 rows: 8 warps' registers
+    assert ca.default_config(64, torch.bfloat16, torch.device("cpu")).num_stages == 1  # the interpreter

@@ -1,4 +1,4 @@
-"""The paged kernel's launch-shape rules: `choose_tiles`, key lanes, `default_tiles`.
+"""The paged kernel's launch-shape rules: `choose_tiles`, key lanes, stages, `default_tiles`.
 
 They read static shapes and dtypes only, so their GPU rules are checked here without a GPU; the
 shapes they pick are run against a float64 oracle in test_paged_attention.py.
@@ -9,7 +9,13 @@ from unittest import mock
 import torch
 
 from kernels import split_kv
-from kernels.paged_attention import choose_tiles, default_tiles, with_key_lanes
+from kernels.paged_attention import (
+    DOUBLE_BUFFER_STAGES,
+    choose_tiles,
+    default_tiles,
+    with_double_buffering,
+    with_key_lanes,
+)
 
 
 def test_gpu_tile_rules_follow_the_regime_and_the_operand_width():
@@ -37,7 +43,7 @@ def test_gpu_key_lanes_only_for_fp8_tiles_of_16_rows_that_walk_whole_contexts():
     # measured on an H200: faster for fp8 decode / short verify without splits, slower elsewhere
     cuda, fp8, bf16 = torch.device("cuda"), torch.float8_e4m3fn, torch.bfloat16
     decode = choose_tiles(128, 128, 4, 128, cuda, fp8)
-    assert tuple(with_key_lanes(decode, fp8, False, cuda)) == (4, 16, 128, 4, 3, 4)
+    assert tuple(with_key_lanes(decode, fp8, False, cuda)) == (4, 16, 128, 4, 2, 4)  # stages: see below
     q4 = choose_tiles(4 * 32, 32, 4, 128, cuda, fp8)  # 16 rows
     assert with_key_lanes(q4, fp8, False, cuda).key_lanes == 4
     assert with_key_lanes(decode, fp8, True, cuda) == decode  # split: few tiles per program
@@ -50,3 +56,26 @@ def test_gpu_key_lanes_only_for_fp8_tiles_of_16_rows_that_walk_whole_contexts():
         assert default_tiles(128, 128, 32, 8, 128, cuda, fp8).key_lanes == 4  # 1024 items: no split
         assert default_tiles(1, 1, 32, 8, 128, cuda, fp8).key_lanes == 1  # 8 items: split
         assert default_tiles(128, 128, 32, 8, 128, cuda, fp8, num_splits=2).key_lanes == 1
+
+
+def test_gpu_double_buffered_stages_where_few_splits_leave_long_key_ranges():
+    # measured on an H200: 5 stages (two K/V buffers behind the page-id loads) for fp8 tiles of <= 32
+    # rows and bf16 64 x 64 verify tiles, unless each work item splits more than FEW_SPLITS ways
+    cuda, cpu, fp8, bf16 = torch.device("cuda"), torch.device("cpu"), torch.float8_e4m3fn, torch.bfloat16
+    deep = DOUBLE_BUFFER_STAGES
+    for q_len, cache, stages in ((1, fp8, deep), (4, fp8, deep), (8, fp8, deep), (16, fp8, 2),
+                                 (1, bf16, 3), (8, bf16, 3), (16, bf16, deep)):
+        tiles = choose_tiles(q_len * 32, 32, 4, 128, cuda, cache)
+        for max_splits in (1, 4):
+            assert with_double_buffering(tiles, cache, max_splits, cuda).num_stages == stages, (q_len, cache)
+        assert with_double_buffering(tiles, cache, 5, cuda) == tiles  # many splits: few tiles each
+    prefill = choose_tiles(8192, 1, 4, 128, cuda, bf16)
+    assert with_double_buffering(prefill, bf16, 1, cuda) == prefill
+    cpu_tiles = choose_tiles(128, 128, 4, 128, cpu, fp8)
+    assert with_double_buffering(cpu_tiles, fp8, 1, cpu) == cpu_tiles  # interpreter tiles
+    with mock.patch.object(split_kv, "num_sms", lambda device: 132):  # what the launcher takes
+        assert tuple(default_tiles(128, 128, 32, 8, 128, cuda, fp8)) == (4, 16, 128, 4, deep, 4)
+        assert tuple(default_tiles(8, 8, 32, 8, 128, cuda, fp8)) == (4, 16, 128, 4, deep, 1)  # 4 splits
+        assert tuple(default_tiles(1, 1, 32, 8, 128, cuda, fp8)) == (4, 16, 128, 4, 2, 1)  # 33 splits
+        assert default_tiles(16 * 32, 32, 32, 8, 128, cuda, bf16).num_stages == deep
+        assert default_tiles(16, 1, 32, 8, 128, cuda, bf16).num_stages == 3
