@@ -67,29 +67,16 @@ CONTEXT_CASES = [
 ]
 # (name, cache, q_len, B, ctx, tiles or None for the default, num_splits or None for the plan)
 SHAPE_VARIANTS = [  # earlier sets are in bench/results/kernel_variants_*.json
-    # More stages: Triton double-buffers K and V behind the page-id loads of these tiles from 5 stages
-    # on, triple-buffers from 7 (3 and 4 keep one buffer: each tile's loads wait for the previous
-    # tile's compute); the 5-stage set of kernel_variants_15_stages.md, continued
-    *[("fp8 decode, key lanes, 7 stages", "fp8", 1, b, c, TileConfig(4, 16, 128, 4, 7, 4), None)
-      for b, c in ((32, 8192), (32, 32768), (128, 2048), (128, 8192))],
-    *[("fp8 decode split, 5 stages", "fp8", 1, b, c, TileConfig(4, 16, 128, 4, 5), None)
-      for b, c in ((1, 2048), (1, 32768), (8, 2048), (8, 32768))],
-    *[("fp8 q_len 8, 5 stages", "fp8", 8, b, c, TileConfig(8, 32, 128, 4, 5), None)
-      for b, c in ((1, 8192), (8, 8192), (32, 2048), (128, 8192))],
-    ("fp8 q_len 8, 7 stages", "fp8", 8, 32, 8192, TileConfig(8, 32, 128, 4, 7), None),
-    *[("fp8 q_len 16, 5 stages", "fp8", 16, b, c, TileConfig(16, 64, 128, 4, 5), None)
-      for b, c in ((32, 8192), (128, 2048), (128, 8192))],
-    *[("bf16 q_len 16, 5 stages", "bf16", 16, b, c, TileConfig(16, 64, 64, 4, 5), None)
-      for b, c in ((32, 2048), (32, 8192), (128, 2048))],
-    *[("bf16 q_len 8, 5 stages", "bf16", 8, b, c, TileConfig(8, 32, 128, 4, 5), None)
-      for b, c in ((32, 8192), (128, 2048))],
+    # bf16 q_len 16 over whole contexts: 5 stages (one program per SM) against the 3 kept
+    *[("bf16 q_len 16 whole, 5 stages", "bf16", 16, b, c, TileConfig(16, 64, 64, 4, 5), None)
+      for b, c in ((32, 2048), (32, 8192), (32, 32768), (128, 2048), (128, 8192))],
 ]
-# (name, cache, NKV, B, ctx, LaunchConfig) of the context kernel's single pass, next to its default
+# (name, cache, NKV, B, ctx, LaunchConfig) of the context kernel, next to its default
 CONTEXT_SHAPES = [
-    *[("bf16, 5 stages", "bf16", nkv, b, c, ca.LaunchConfig(64, 4, 5))
-      for nkv, b, c in ((4, 64, 8192), (4, 256, 8192), (8, 256, 2048), (4, 64, 32768))],
-    *[("bf16, 7 stages", "bf16", nkv, b, c, ca.LaunchConfig(64, 4, 7))
-      for nkv, b, c in ((8, 64, 8192), (4, 256, 2048))],
+    # the split path (B <= 32 at NKV 4) with the single pass's 5 stages, against the 3 it keeps
+    *[("bf16 split, 5 stages", "bf16", nkv, b, c, ca.LaunchConfig(64, 4, 5))
+      for nkv, b, c in ((4, 1, 8192), (4, 1, 32768), (4, 4, 8192), (8, 4, 32768), (4, 16, 8192),
+                        (8, 16, 2048))],
 ]
 
 
@@ -202,17 +189,18 @@ def tile_text(t: dict) -> str:
 
 
 def measure_context_shape(device, gen, variant) -> dict:
-    """The context kernel's single pass with the default tiles and with `variant`'s, same inputs."""
+    """The context kernel with its default tiles and with `variant`'s, same inputs and split plan."""
     name, dtype_name, nkv, batch, ctx, config = variant
     sets, kv_bytes = cab.make_sets(batch, ctx, nkv, dtype_name, device, gen)
     rows = cab.NUM_Q * cab.GROUP
-    default = ca.default_config(rows, cab.cache_dtype(dtype_name), device)
+    max_splits = split_kv.plan_max_splits(batch * nkv, device)
+    min_tokens = split_kv.min_tokens_per_split(rows)
+    default = ca.default_config(rows, cab.cache_dtype(dtype_name), device, max_splits > 1)
     ref = ca.reference.paged_context_attention(**sets[0], **cab.scales(dtype_name))
     row = {"name": name, "cache": dtype_name, "nkv": nkv, "batch": batch, "ctx": ctx, "kv_bytes": kv_bytes,
-           "us": {}, "err": {}, "configs": {}}
+           "max_splits": max_splits, "us": {}, "err": {}, "configs": {}}
     for label, cfg in (("default", default), ("variant", config)):
-        launches = [cab._configured_launch(s, dtype_name, 1, split_kv.min_tokens_per_split(rows), cfg)
-                    for s in sets]
+        launches = [cab._configured_launch(s, dtype_name, max_splits, min_tokens, cfg) for s in sets]
         row["us"][label] = cab.time_graph(launches)
         row["err"][label] = cab.relative_error(launches[0](), ref)
         row["configs"][label] = dataclasses.asdict(cfg)
@@ -264,7 +252,7 @@ def markdown(result) -> str:
                      f"{r['us']['default']:.1f} | {r['us']['variant']:.1f} | "
                      f"{r['us']['variant'] / r['us']['default']:.3f} | {rates[0]:.0f}% | {rates[1]:.0f}% | "
                      f"{tile_text(r['default_tiles'])} | {tile_text(r['variant_tiles'])} |")
-    lines += ["", "## Tiles of the context kernel's single pass, next to its defaults", "",
+    lines += ["", "## Tiles of the context kernel, next to its defaults (the public split plan)", "",
               "Tiles: keys, warps, stages.", "",
               "| variant | cache | NKV | B | ctx | default us | variant us | variant / default | "
               "default rate | variant rate | default tiles | variant tiles | error |", "|" + "---|" * 13]
