@@ -42,7 +42,7 @@ K_SCALE, V_SCALE = 0.5, 2.0
 TUNE_CONFIGS = {
     "single bf16": [ca.LaunchConfig(64, 4, 5), ca.LaunchConfig(64, 4, 3), ca.LaunchConfig(128, 4, 3)],
     "single fp8": [ca.LaunchConfig(128, 4, 3), ca.LaunchConfig(64, 4, 3), ca.LaunchConfig(128, 4, 4)],
-    "split bf16": [ca.LaunchConfig(64, 4, 3), ca.LaunchConfig(64, 4, 5), ca.LaunchConfig(64, 4, 2),
+    "split bf16": [ca.LaunchConfig(64, 4, 5), ca.LaunchConfig(64, 4, 3), ca.LaunchConfig(64, 4, 2),
                    ca.LaunchConfig(32, 4, 4), ca.LaunchConfig(64, 4, 3, merge_chunk=16)],
 }
 

@@ -111,7 +111,7 @@ def tile_sweep(device, gen, deadline) -> list[dict]:
         sets, kv_bytes = cab.make_sets(batch, ctx, nkv, DTYPE, device, gen)
         max_splits = split_kv.plan_max_splits(batch * nkv, device)
         min_tokens = split_kv.min_tokens_per_split(ROWS_PAD)
-        default = ca.default_config(ROWS_PAD, torch.bfloat16, device, max_splits > 1)
+        default = ca.default_config(ROWS_PAD, torch.bfloat16, device)
         for config in CONFIGS:
             row = {"batch": batch, "nkv": nkv, "ctx": ctx, "splits": max_splits,
                    "config": dataclasses.asdict(config),

@@ -195,7 +195,7 @@ def measure_context_shape(device, gen, variant) -> dict:
     rows = cab.NUM_Q * cab.GROUP
     max_splits = split_kv.plan_max_splits(batch * nkv, device)
     min_tokens = split_kv.min_tokens_per_split(rows)
-    default = ca.default_config(rows, cab.cache_dtype(dtype_name), device, max_splits > 1)
+    default = ca.default_config(rows, cab.cache_dtype(dtype_name), device)
     ref = ca.reference.paged_context_attention(**sets[0], **cab.scales(dtype_name))
     row = {"name": name, "cache": dtype_name, "nkv": nkv, "batch": batch, "ctx": ctx, "kv_bytes": kv_bytes,
            "max_splits": max_splits, "us": {}, "err": {}, "configs": {}}

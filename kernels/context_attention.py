@@ -57,15 +57,15 @@ class LaunchConfig:
     merge_chunk: int = 32  # splits one merge step loads at once
 
 
-def default_config(rows_pad: int, cache_dtype: torch.dtype, device: torch.device,
-                   split: bool = False) -> LaunchConfig:
-    """Measured on an H200 (bench/results/context_attention_run3.md, tile sweep; the single pass's
-    stages: kernel_variants_15_stages.md and _16_stages.md).
+def default_config(rows_pad: int, cache_dtype: torch.dtype, device: torch.device) -> LaunchConfig:
+    """Measured on an H200 (bench/results/context_attention_run3.md, tile sweep; the stages:
+    kernel_variants_15_stages.md, _16_stages.md and _17_stages.md).
 
-    A 16-bit context's single pass takes 5 stages, the first count at which Triton double-buffers
-    its K/V behind the page-id loads in an offline sm_90 build (3 keep one buffer): 4-11% faster at
-    B 64-256 (NKV 4 B 256 ctx 8192: 90% -> 99% of copy), 7 stages 0-9% slower. The split path's
-    programs walk few tiles and keep 3; an fp8 context keeps 3 (5 stages: 7-28% slower).
+    A 16-bit context takes 5 stages, the first count at which Triton double-buffers its K/V behind
+    the page-id loads in an offline sm_90 build (3 keep one buffer): side by side, the single pass
+    4-11% faster at B 64-256 (NKV 4 B 256 ctx 8192: 90% -> 99% of copy), the split path 3-16% (B 1
+    NKV 4 ctx 8192: 15.9 -> 15.4 us; B 4 NKV 8 ctx 32768: 165.5 -> 139.4); 7 stages 0-9% slower. An
+    fp8 context keeps 3 (5 stages: 7-28% slower).
     """
     if device.type != "cuda":  # the interpreter: small tiles run faster in numpy
         return LaunchConfig(block_n=32, num_warps=4, num_stages=1, merge_chunk=4)
@@ -73,8 +73,6 @@ def default_config(rows_pad: int, cache_dtype: torch.dtype, device: torch.device
         return LaunchConfig(block_n=64, num_warps=8, num_stages=2)
     if cache_dtype == FP8:  # half the bytes per tile: longer tiles amortise the widening to 16 bit
         return LaunchConfig(block_n=128, num_warps=4, num_stages=3)
-    if split:
-        return LaunchConfig(block_n=64, num_warps=4, num_stages=3)
     return LaunchConfig(block_n=64, num_warps=4, num_stages=5)
 
 
@@ -238,4 +236,4 @@ def paged_context_attention(q, k_cache, v_cache, block_table, ctx_lens, k_noise,
     min_tokens = 1 if num_splits is not None else split_kv.min_tokens_per_split(rows_pad)
     return _launch_context_attention(q, k_cache, v_cache, block_table, ctx_lens, k_noise, v_noise, out,
                                      scale, k_scale, v_scale, max_splits, min_tokens,
-                                     default_config(rows_pad, k_cache.dtype, q.device, max_splits > 1))
+                                     default_config(rows_pad, k_cache.dtype, q.device))

@@ -134,21 +134,20 @@ def with_double_buffering(tiles: TileConfig, cache_dtype: torch.dtype, max_split
     Triton's pipeliner spends stages on the page-id loads that the K/V addresses wait for: in an
     offline sm_90 build of these tiles, 3 or 4 stages keep ONE K and V buffer (the next tile's
     loads start after this tile's dots), 5 give two. Side by side (bench/results/
-    kernel_variants_15_stages.md and _16_stages.md): fp8 decode with key lanes 4-15% faster (B 32
-    ctx 32768: 76% -> 89% of copy), split fp8 decode at B 8 2-14%, fp8 q_len 8 (32 rows) 5-9%;
-    bf16 q_len 16 (64 x 64) split 2-4 ways (B 8) 5-20% (paged_attention.md of 900525e against the
-    run before). Not taken: bf16 q_len 16 over whole contexts (B >= 32: 2-4% faster at ctx <= 8192,
-    2-9% slower at 32768, where 5 stages leave one program per SM), programs of many splits (B 1,
-    33 splits: fp8 decode 4-8% slower at ctx <= 8192, 12% faster at 32768, q_len 8 13% slower: each
-    walks few tiles), bf16 decode and q_len 8 (12-32% slower: one program per SM where three fit),
-    fp8 q_len 16 (21-30%, its K/V already double-buffered) and 7 stages (5-18%, three buffers).
+    kernel_variants_15_stages.md, _16_stages.md, _17_stages.md): fp8 decode with key lanes 4-15%
+    faster (B 32 ctx 32768: 76% -> 89% of copy), split fp8 decode at B 8 2-14%, fp8 q_len 8 (32
+    rows) 5-9%, bf16 q_len 16 (64 x 64) 1-10% at B 32-128 (B 32 ctx 32768: 85% -> 95%; against the
+    previous run, not side by side, B 8 5-20% faster and B 128-256 ctx 32768 5-9% slower). Not
+    taken: programs of many splits (B 1, 33 splits: fp8 decode 4-8% slower at ctx <= 8192, 12%
+    faster at 32768, q_len 8 13% slower: each walks few tiles), bf16 decode and q_len 8 (12-32%
+    slower: one program per SM where three fit), fp8 q_len 16 (21-30%, its K/V already
+    double-buffered) and 7 stages (5-18%, three buffers, one program per SM).
     """
     if device.type != "cuda" or max_splits > FEW_SPLITS:
         return tiles
     fp8_small = cache_dtype == FP8 and tiles.block_m <= 32 and tiles.block_n == 128
-    split_bf16_verify = (cache_dtype.itemsize == 2 and tiles.block_m == 64 and tiles.block_n == 64
-                         and max_splits > 1)
-    if fp8_small or split_bf16_verify:
+    bf16_verify = cache_dtype.itemsize == 2 and tiles.block_m == 64 and tiles.block_n == 64
+    if fp8_small or bf16_verify:
         return tiles._replace(num_stages=DOUBLE_BUFFER_STAGES)
     return tiles
 

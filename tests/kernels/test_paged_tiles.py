@@ -60,11 +60,11 @@ def test_gpu_key_lanes_only_for_fp8_tiles_of_16_rows_that_walk_whole_contexts():
 
 def test_gpu_double_buffered_stages_where_few_splits_leave_long_key_ranges():
     # measured on an H200: 5 stages (two K/V buffers behind the page-id loads) for fp8 tiles of <= 32
-    # rows and split bf16 64 x 64 verify tiles, unless each work item splits more than FEW_SPLITS ways
+    # rows and bf16 64 x 64 verify tiles, unless each work item splits more than FEW_SPLITS ways
     cuda, cpu, fp8, bf16 = torch.device("cuda"), torch.device("cpu"), torch.float8_e4m3fn, torch.bfloat16
     deep = DOUBLE_BUFFER_STAGES
     cases = ((1, fp8, deep, deep), (4, fp8, deep, deep), (8, fp8, deep, deep), (16, fp8, 2, 2),
-             (1, bf16, 3, 3), (8, bf16, 3, 3), (16, bf16, 3, deep))  # (q_len, cache, stages whole, split)
+             (1, bf16, 3, 3), (8, bf16, 3, 3), (16, bf16, deep, deep))  # (q_len, cache, stages whole, split)
     for q_len, cache, whole, split in cases:
         tiles = choose_tiles(q_len * 32, 32, 4, 128, cuda, cache)
         assert with_double_buffering(tiles, cache, 1, cuda).num_stages == whole, (q_len, cache)
@@ -79,5 +79,5 @@ def test_gpu_double_buffered_stages_where_few_splits_leave_long_key_ranges():
         assert tuple(default_tiles(8, 8, 32, 8, 128, cuda, fp8)) == (4, 16, 128, 4, deep, 1)  # 4 splits
         assert tuple(default_tiles(1, 1, 32, 8, 128, cuda, fp8)) == (4, 16, 128, 4, 2, 1)  # 33 splits
         assert default_tiles(16 * 8, 8, 32, 8, 128, cuda, bf16).num_stages == deep  # 4 splits
-        assert default_tiles(16 * 32, 32, 32, 8, 128, cuda, bf16).num_stages == 3  # whole contexts
+        assert default_tiles(16 * 32, 32, 32, 8, 128, cuda, bf16).num_stages == deep  # whole contexts
         assert default_tiles(16, 1, 32, 8, 128, cuda, bf16).num_stages == 3  # 33 splits
