@@ -67,17 +67,27 @@ CONTEXT_CASES = [
 ]
 # (name, cache, q_len, B, ctx, tiles or None for the default, num_splits or None for the plan)
 SHAPE_VARIANTS = [  # earlier sets are in bench/results/kernel_variants_*.json
-    # bf16 q_len 16 over whole contexts: 5 stages (one program per SM) against the 3 kept
-    *[("bf16 q_len 16 whole, 5 stages", "bf16", 16, b, c, TileConfig(16, 64, 64, 4, 5), None)
-      for b, c in ((32, 2048), (32, 8192), (32, 32768), (128, 2048), (128, 8192))],
+    # bf16 q_len 16 over whole contexts in a pool as large as bench/paged_attention.py's: 3 stages
+    # (two programs per SM, one K/V buffer) against the default's 5 (one program, two buffers)
+    *[("bf16 q_len 16, 3 stages", "bf16", 16, b, c, TileConfig(16, 64, 64, 4, 3), None)
+      for b, c in ((32, 32768), (128, 2048), (128, 8192), (128, 32768), (256, 2048), (256, 8192),
+                   (256, 32768))],
 ]
-# (name, cache, NKV, B, ctx, LaunchConfig) of the context kernel, next to its default
+# (name, cache, NKV, B, ctx, LaunchConfig[, least keys per split]) of the context kernel, next to
+# its default
 CONTEXT_SHAPES = [
-    # the split path (B <= 32 at NKV 4) with the single pass's 5 stages, against the 3 it keeps
-    *[("bf16 split, 5 stages", "bf16", nkv, b, c, ca.LaunchConfig(64, 4, 5))
-      for nkv, b, c in ((4, 1, 8192), (4, 1, 32768), (4, 4, 8192), (8, 4, 32768), (4, 16, 8192),
-                        (8, 16, 2048))],
+    # 5-stage split programs with at least 4 tiles of keys (256) instead of 2 (128)
+    *[("bf16 split, 256 keys per split", "bf16", nkv, b, c, ca.LaunchConfig(64, 4, 5), 256)
+      for nkv, b, c in ((4, 1, 2048), (4, 1, 8192), (4, 1, 32768), (8, 1, 2048), (8, 1, 8192), (4, 2, 8192),
+                        (4, 4, 2048))],
 ]
+
+
+def pool_tokens(cache: str, part: str, tpb: int) -> int:
+    """Tokens of the `cache` pool: the largest paged case of this run in one set, at least 1M."""
+    cases = [(q, b, c) for d, q, b, c in PAGED_CASES if d == cache and part != "shapes"]
+    cases += [(q, b, c) for _, d, q, b, c, _, _ in SHAPE_VARIANTS if d == cache]
+    return max([128 * 8192] + [b * triton.cdiv(c + q, tpb) * tpb for q, b, c in cases]) + 64 * tpb
 
 
 def load_variant(name: str, directory: Path) -> dict:
@@ -190,7 +200,7 @@ def tile_text(t: dict) -> str:
 
 def measure_context_shape(device, gen, variant) -> dict:
     """The context kernel with its default tiles and with `variant`'s, same inputs and split plan."""
-    name, dtype_name, nkv, batch, ctx, config = variant
+    name, dtype_name, nkv, batch, ctx, config, variant_min_tokens = (*variant, None)[:7]
     sets, kv_bytes = cab.make_sets(batch, ctx, nkv, dtype_name, device, gen)
     rows = cab.NUM_Q * cab.GROUP
     max_splits = split_kv.plan_max_splits(batch * nkv, device)
@@ -199,11 +209,12 @@ def measure_context_shape(device, gen, variant) -> dict:
     ref = ca.reference.paged_context_attention(**sets[0], **cab.scales(dtype_name))
     row = {"name": name, "cache": dtype_name, "nkv": nkv, "batch": batch, "ctx": ctx, "kv_bytes": kv_bytes,
            "max_splits": max_splits, "us": {}, "err": {}, "configs": {}}
-    for label, cfg in (("default", default), ("variant", config)):
-        launches = [cab._configured_launch(s, dtype_name, max_splits, min_tokens, cfg) for s in sets]
+    columns = (("default", default, min_tokens), ("variant", config, variant_min_tokens or min_tokens))
+    for label, cfg, floor in columns:
+        launches = [cab._configured_launch(s, dtype_name, max_splits, floor, cfg) for s in sets]
         row["us"][label] = cab.time_graph(launches)
         row["err"][label] = cab.relative_error(launches[0](), ref)
-        row["configs"][label] = dataclasses.asdict(cfg)
+        row["configs"][label] = dataclasses.asdict(cfg) | {"min_tokens_per_split": floor}
     del sets
     torch.cuda.empty_cache()
     return row
@@ -253,7 +264,7 @@ def markdown(result) -> str:
                      f"{r['us']['variant'] / r['us']['default']:.3f} | {rates[0]:.0f}% | {rates[1]:.0f}% | "
                      f"{tile_text(r['default_tiles'])} | {tile_text(r['variant_tiles'])} |")
     lines += ["", "## Tiles of the context kernel, next to its defaults (the public split plan)", "",
-              "Tiles: keys, warps, stages.", "",
+              "Tiles: keys, warps, stages, least keys per split.", "",
               "| variant | cache | NKV | B | ctx | default us | variant us | variant / default | "
               "default rate | variant rate | default tiles | variant tiles | error |", "|" + "---|" * 13]
     for r in result.get("context_shapes", []):
@@ -263,7 +274,8 @@ def markdown(result) -> str:
         lines.append(f"| {r['name']} | {r['cache']} | {r['nkv']} | {r['batch']} | {r['ctx']} | "
                      f"{r['us']['default']:.1f} | {r['us']['variant']:.1f} | "
                      f"{r['us']['variant'] / r['us']['default']:.3f} | {rates[0]:.0f}% | {rates[1]:.0f}% | "
-                     + " | ".join(f"{c['block_n']}, {c['num_warps']}, {c['num_stages']}" for c in cfgs)
+                     + " | ".join(f"{c['block_n']}, {c['num_warps']}, {c['num_stages']}, "
+                                  f"{c.get('min_tokens_per_split', '-')}" for c in cfgs)
                      + f" | {max(r['err'].values()):.1e} |")
     return "\n".join(lines) + "\n"
 
@@ -308,8 +320,8 @@ def main() -> None:
     geo = pab.FULL
     pools = {}
     if args.part != "context":
-        pools = {name: pab.Pool(geo, 128 * 8192 + 64 * geo["tpb"], dtype, device)
-                 for name, dtype in pab.DTYPES.items()}
+        pools = {name: pab.Pool(geo, pool_tokens(name, args.part, geo["tpb"]), dtype, device)
+                 for name, dtype in pab.DTYPES.items() if args.cache in (None, name)}
         for case in PAGED_CASES if args.part != "shapes" else ():
             if time.monotonic() < end and args.cache in (None, case[0]):
                 result["paged"].append(measure_paged(geo, pools, variants, case, device))
