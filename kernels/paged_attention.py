@@ -127,26 +127,27 @@ def with_key_lanes(tiles: TileConfig, cache_dtype: torch.dtype, split: bool,
     return tiles
 
 
-def with_double_buffering(tiles: TileConfig, cache_dtype: torch.dtype, max_splits: int,
+def with_double_buffering(tiles: TileConfig, cache_dtype: torch.dtype, num_items: int, max_splits: int,
                           device: torch.device) -> TileConfig:
     """Chosen tiles with DOUBLE_BUFFER_STAGES where that measured faster on an H200.
 
     Triton's pipeliner spends stages on the page-id loads that the K/V addresses wait for: in an
     offline sm_90 build of these tiles, 3 or 4 stages keep ONE K and V buffer (the next tile's
     loads start after this tile's dots), 5 give two. Side by side (bench/results/
-    kernel_variants_15_stages.md, _16_stages.md, _17_stages.md): fp8 decode with key lanes 4-15%
-    faster (B 32 ctx 32768: 76% -> 89% of copy), split fp8 decode at B 8 2-14%, fp8 q_len 8 (32
-    rows) 5-9%, bf16 q_len 16 (64 x 64) 1-10% at B 32-128 (B 32 ctx 32768: 85% -> 95%; against the
-    previous run, not side by side, B 8 5-20% faster and B 128-256 ctx 32768 5-9% slower). Not
-    taken: programs of many splits (B 1, 33 splits: fp8 decode 4-8% slower at ctx <= 8192, 12%
-    faster at 32768, q_len 8 13% slower: each walks few tiles), bf16 decode and q_len 8 (12-32%
-    slower: one program per SM where three fit), fp8 q_len 16 (21-30%, its K/V already
-    double-buffered) and 7 stages (5-18%, three buffers, one program per SM).
+    kernel_variants_15_stages.md to _18_stages.md): fp8 decode with key lanes 4-15% faster (B 32
+    ctx 32768: 76% -> 89% of copy), split fp8 decode at B 8 2-14%, fp8 q_len 8 (32 rows) 5-9%;
+    bf16 q_len 16 (64 x 64 tiles, one program per SM at 5 stages where two fit at 3) 4-10% for up
+    to WAVES programs per SM (B 32 ctx 32768: 85% -> 93-95%; B 8 5-20% against the previous run),
+    but from -3.5% to +6% at B 128-256, so those keep 3. Not taken: programs of many splits (B 1,
+    33 splits: fp8 decode 4-8% slower at ctx <= 8192, 12% faster at 32768, q_len 8 13% slower: each
+    walks few tiles), bf16 decode and q_len 8 (12-32% slower: one program per SM where three fit),
+    fp8 q_len 16 (21-30%, its K/V already double-buffered) and 7 stages (5-18%, three buffers).
     """
     if device.type != "cuda" or max_splits > FEW_SPLITS:
         return tiles
     fp8_small = cache_dtype == FP8 and tiles.block_m <= 32 and tiles.block_n == 128
-    bf16_verify = cache_dtype.itemsize == 2 and tiles.block_m == 64 and tiles.block_n == 64
+    bf16_verify = (cache_dtype.itemsize == 2 and tiles.block_m == 64 and tiles.block_n == 64
+                   and num_items <= split_kv.WAVES * split_kv.num_sms(device))
     if fp8_small or bf16_verify:
         return tiles._replace(num_stages=DOUBLE_BUFFER_STAGES)
     return tiles
@@ -173,7 +174,8 @@ def _default_plan(num_tokens, num_seqs, num_heads, num_kv_heads, head_dim, devic
     max_splits, min_tokens = _split_plan(num_tokens, num_seqs, num_heads, num_kv_heads, head_dim, tiles,
                                          num_splits, device)
     tiles = with_key_lanes(tiles, cache_dtype, max_splits > 1, device)
-    return with_double_buffering(tiles, cache_dtype, max_splits, device), max_splits, min_tokens
+    num_items = _work_items(num_tokens, num_seqs, num_kv_heads, tiles)
+    return with_double_buffering(tiles, cache_dtype, num_items, max_splits, device), max_splits, min_tokens
 
 
 def _is_scale(value) -> bool:
@@ -263,13 +265,18 @@ def _scale_args(k_scale, v_scale, device):
     return 1.0, 1.0, as_tensor(k_scale), as_tensor(v_scale), True
 
 
+def _work_items(num_tokens: int, num_seqs: int, num_kv_heads: int, tiles: TileConfig) -> int:
+    """Programs of a one-split grid that have work: query tiles (at least one per sequence) x KV heads."""
+    return max(num_seqs, triton.cdiv(num_tokens, tiles.block_q)) * num_kv_heads
+
+
 def _split_plan(num_tokens, num_seqs, num_heads, num_kv_heads, head_dim, tiles, num_splits,
                 device) -> tuple[int, int]:
     """(max_splits, min_tokens_per_split) for the grid; 1 split means no partials and no merge.
 
-    The work items are query tiles (at least one per sequence) x KV heads.
+    The work items are `_work_items`: query tiles (at least one per sequence) x KV heads.
     """
-    num_items = max(num_seqs, triton.cdiv(num_tokens, tiles.block_q)) * num_kv_heads
+    num_items = _work_items(num_tokens, num_seqs, num_kv_heads, tiles)
     mergeable = (num_heads % 16 == 0 or num_heads & (num_heads - 1) == 0) and (
         head_dim >= 16 and head_dim & (head_dim - 1) == 0)
     if not mergeable:

@@ -60,24 +60,28 @@ def test_gpu_key_lanes_only_for_fp8_tiles_of_16_rows_that_walk_whole_contexts():
 
 def test_gpu_double_buffered_stages_where_few_splits_leave_long_key_ranges():
     # measured on an H200: 5 stages (two K/V buffers behind the page-id loads) for fp8 tiles of <= 32
-    # rows and bf16 64 x 64 verify tiles, unless each work item splits more than FEW_SPLITS ways
+    # rows unless each work item splits more than FEW_SPLITS ways, and for bf16 64 x 64 verify tiles
+    # of at most WAVES programs per SM
     cuda, cpu, fp8, bf16 = torch.device("cuda"), torch.device("cpu"), torch.float8_e4m3fn, torch.bfloat16
     deep = DOUBLE_BUFFER_STAGES
     cases = ((1, fp8, deep, deep), (4, fp8, deep, deep), (8, fp8, deep, deep), (16, fp8, 2, 2),
-             (1, bf16, 3, 3), (8, bf16, 3, 3), (16, bf16, deep, deep))  # (q_len, cache, stages whole, split)
-    for q_len, cache, whole, split in cases:
-        tiles = choose_tiles(q_len * 32, 32, 4, 128, cuda, cache)
-        assert with_double_buffering(tiles, cache, 1, cuda).num_stages == whole, (q_len, cache)
-        assert with_double_buffering(tiles, cache, 4, cuda).num_stages == split, (q_len, cache)
-        assert with_double_buffering(tiles, cache, 5, cuda) == tiles  # many splits: few tiles each
-    prefill = choose_tiles(8192, 1, 4, 128, cuda, bf16)
-    assert with_double_buffering(prefill, bf16, 1, cuda) == prefill
-    cpu_tiles = choose_tiles(128, 128, 4, 128, cpu, fp8)
-    assert with_double_buffering(cpu_tiles, fp8, 1, cpu) == cpu_tiles  # interpreter tiles
-    with mock.patch.object(split_kv, "num_sms", lambda device: 132):  # what the launcher takes
+             (1, bf16, 3, 3), (8, bf16, 3, 3), (16, bf16, deep, 3))  # (q_len, cache, stages few, many items)
+    with mock.patch.object(split_kv, "num_sms", lambda device: 132):
+        for q_len, cache, few, many in cases:
+            tiles = choose_tiles(q_len * 32, 32, 4, 128, cuda, cache)
+            for max_splits in (1, 4):
+                assert with_double_buffering(tiles, cache, 264, max_splits, cuda).num_stages == few, q_len
+                assert with_double_buffering(tiles, cache, 265, max_splits, cuda).num_stages == many, q_len
+            assert with_double_buffering(tiles, cache, 8, 5, cuda) == tiles  # many splits: few tiles each
+        prefill = choose_tiles(8192, 1, 4, 128, cuda, bf16)
+        assert with_double_buffering(prefill, bf16, 8, 1, cuda) == prefill
+        cpu_tiles = choose_tiles(128, 128, 4, 128, cpu, fp8)
+        assert with_double_buffering(cpu_tiles, fp8, 8, 1, cpu) == cpu_tiles  # interpreter tiles
+        # what the launcher takes: Qwen3-8B geometry (8 KV heads), 132 SMs
         assert tuple(default_tiles(128, 128, 32, 8, 128, cuda, fp8)) == (4, 16, 128, 4, deep, 4)
         assert tuple(default_tiles(8, 8, 32, 8, 128, cuda, fp8)) == (4, 16, 128, 4, deep, 1)  # 4 splits
         assert tuple(default_tiles(1, 1, 32, 8, 128, cuda, fp8)) == (4, 16, 128, 4, 2, 1)  # 33 splits
         assert default_tiles(16 * 8, 8, 32, 8, 128, cuda, bf16).num_stages == deep  # 4 splits
-        assert default_tiles(16 * 32, 32, 32, 8, 128, cuda, bf16).num_stages == deep  # whole contexts
+        assert default_tiles(16 * 32, 32, 32, 8, 128, cuda, bf16).num_stages == deep  # 256 programs
+        assert default_tiles(16 * 128, 128, 32, 8, 128, cuda, bf16).num_stages == 3  # 1024 programs
         assert default_tiles(16, 1, 32, 8, 128, cuda, bf16).num_stages == 3  # 33 splits
