@@ -26,8 +26,8 @@ MAX_HEAD_DIM = 256
 # Query rows (positions x group heads) per tile when the batch is mostly prefill: the tensor-core
 # tile that keeps a long chunk compute bound (256 rows x 64 keys in 3 stages: 9% faster than 128 x 128
 # for a bf16 and for an fp8 cache on an H200, bench/results/kernel_variants_2_tiles.md and
-# _3_stages.md); half of it where 32-bit operands or D > 128 would overflow shared memory, and in the
-# interpreter.
+# _3_stages.md); half of it where 32-bit operands or D > 128 would overflow shared memory, in the
+# interpreter, and over an fp8 cache (128 x 128 in 5 stages, see GPU_TILES).
 PREFILL_ROWS = 256
 # Mean queries per sequence above which a batch is treated as prefill-heavy.
 MAX_VERIFY_QUERIES = 16
@@ -46,6 +46,8 @@ SEQ_SEARCH = 64
 # loads, and the most splits per work item for which they pay (`with_double_buffering`).
 DOUBLE_BUFFER_STAGES = 5
 FEW_SPLITS = 4
+# The head dims they were measured at (D 128); wider heads keep at most 3 stages (shared memory).
+DOUBLE_BUFFER_MAX_HEAD_DIM = 128
 # fp32 elements of partial state one fused-merge step holds per thread (register budget).
 FUSED_MERGE_ELEMENTS_PER_THREAD = 64
 
@@ -72,9 +74,13 @@ class TileConfig(NamedTuple):
 # H200 sweeps recorded in bench/results/paged_attention_sweep.md and kernel_variants_*.md (Qwen3-8B
 # geometry, D 128). bf16 verify tiles of at most 32 rows take 128 keys instead (q_len 8: 16% faster).
 # 32-bit operands keep at most 2 stages (shared memory).
+# An fp8 prefill takes half the rows (PREFILL_ROWS // 2) x 128 keys in 5 stages, where Triton gives
+# its V two buffers (one at 3, an offline sm_90 build): 5% faster than 256 x 64 in 3 stages
+# (1587.7 -> 1506.0 us for the 8k prefill; 256 x 64 in 5 stages 2.4%, the bf16 tile at 5 stages 0%:
+# bench/results/kernel_variants_19_prefill_stages.md).
 GPU_TILES = {
     ("decode", 2): (128, 4, 3), ("verify", 2): (64, 4, 3), ("prefill", 2): (64, 8, 3),
-    ("decode", 1): (128, 4, 2), ("verify", 1): (128, 4, 2), ("prefill", 1): (64, 8, 3),
+    ("decode", 1): (128, 4, 2), ("verify", 1): (128, 4, 2), ("prefill", 1): (128, 8, 5),
 }
 
 
@@ -95,7 +101,8 @@ def choose_tiles(num_tokens: int, num_seqs: int, group: int, head_dim: int, devi
         block_q = max(triton.next_power_of_2(mean_q), 16 // group if group < 16 else 1)
     else:
         regime = "prefill"
-        rows = PREFILL_ROWS // 2 if wide_operands or head_dim > 128 or not on_gpu else PREFILL_ROWS
+        half = wide_operands or head_dim > 128 or not on_gpu or cache_dtype.itemsize == 1
+        rows = PREFILL_ROWS // 2 if half else PREFILL_ROWS
         block_q = max(1, rows // group)
     block_m = max(16, triton.next_power_of_2(block_q * group))
     if not on_gpu:
@@ -110,6 +117,8 @@ def choose_tiles(num_tokens: int, num_seqs: int, group: int, head_dim: int, devi
         block_n //= 2
     if wide_operands:
         num_stages = min(num_stages, 2)
+    if head_dim > DOUBLE_BUFFER_MAX_HEAD_DIM:  # the 5-stage tiles were measured at D 128 only
+        num_stages = min(num_stages, 3)
     return TileConfig(block_q, block_m, block_n, num_warps, num_stages)
 
 
@@ -127,8 +136,8 @@ def with_key_lanes(tiles: TileConfig, cache_dtype: torch.dtype, split: bool,
     return tiles
 
 
-def with_double_buffering(tiles: TileConfig, cache_dtype: torch.dtype, num_items: int, max_splits: int,
-                          device: torch.device) -> TileConfig:
+def with_double_buffering(tiles: TileConfig, cache_dtype: torch.dtype, head_dim: int, num_items: int,
+                          max_splits: int, device: torch.device) -> TileConfig:
     """Chosen tiles with DOUBLE_BUFFER_STAGES where that measured faster on an H200.
 
     Triton's pipeliner spends stages on the page-id loads that the K/V addresses wait for: in an
@@ -143,7 +152,7 @@ def with_double_buffering(tiles: TileConfig, cache_dtype: torch.dtype, num_items
     walks few tiles), bf16 decode and q_len 8 (12-32% slower: one program per SM where three fit),
     fp8 q_len 16 (21-30%, its K/V already double-buffered) and 7 stages (5-18%, three buffers).
     """
-    if device.type != "cuda" or max_splits > FEW_SPLITS:
+    if device.type != "cuda" or max_splits > FEW_SPLITS or head_dim > DOUBLE_BUFFER_MAX_HEAD_DIM:
         return tiles
     fp8_small = cache_dtype == FP8 and tiles.block_m <= 32 and tiles.block_n == 128
     bf16_verify = (cache_dtype.itemsize == 2 and tiles.block_m == 64 and tiles.block_n == 64
@@ -175,7 +184,8 @@ def _default_plan(num_tokens, num_seqs, num_heads, num_kv_heads, head_dim, devic
                                          num_splits, device)
     tiles = with_key_lanes(tiles, cache_dtype, max_splits > 1, device)
     num_items = _work_items(num_tokens, num_seqs, num_kv_heads, tiles)
-    return with_double_buffering(tiles, cache_dtype, num_items, max_splits, device), max_splits, min_tokens
+    return (with_double_buffering(tiles, cache_dtype, head_dim, num_items, max_splits, device), max_splits,
+            min_tokens)
 
 
 def _is_scale(value) -> bool:

@@ -29,9 +29,11 @@ def test_gpu_tile_rules_follow_the_regime_and_the_operand_width():
     assert (q16.block_q, q16.block_m, q16.block_n) == (16, 64, 64)
     q8_fp8 = choose_tiles(8 * 32, 32, 4, 128, cuda, fp8)  # fp8 verify: 128 keys whatever the rows
     assert (q8_fp8.block_q, q8_fp8.block_m, q8_fp8.block_n) == (8, 32, 128)
-    for cache, stages in ((bf16, 3), (fp8, 3)):
-        prefill = choose_tiles(8192, 1, 4, 128, cuda, cache)
-        assert tuple(prefill) == (64, 256, 64, 8, stages, 1)  # (q, m, n, warps, stages, key lanes)
+    prefill = choose_tiles(8192, 1, 4, 128, cuda, bf16)
+    assert tuple(prefill) == (64, 256, 64, 8, 3, 1)  # (q, m, n, warps, stages, key lanes)
+    prefill_fp8 = choose_tiles(8192, 1, 4, 128, cuda, fp8)  # half the rows, 128 keys, two V buffers
+    assert tuple(prefill_fp8) == (32, 128, 128, 8, 5, 1)
+    assert choose_tiles(8192, 1, 4, 256, cuda, fp8).num_stages == 3  # D 256: shared memory
     wide = choose_tiles(8192, 1, 4, 128, cuda, fp32, fp32)  # 32-bit operands: half the rows, 2 stages
     assert (wide.block_m, wide.num_stages) == (128, 2)
     assert choose_tiles(8192, 1, 4, 256, cuda, bf16).block_m == 128  # D 256
@@ -69,14 +71,15 @@ def test_gpu_double_buffered_stages_where_few_splits_leave_long_key_ranges():
     with mock.patch.object(split_kv, "num_sms", lambda device: 132):
         for q_len, cache, few, many in cases:
             tiles = choose_tiles(q_len * 32, 32, 4, 128, cuda, cache)
-            for max_splits in (1, 4):
-                assert with_double_buffering(tiles, cache, 264, max_splits, cuda).num_stages == few, q_len
-                assert with_double_buffering(tiles, cache, 265, max_splits, cuda).num_stages == many, q_len
-            assert with_double_buffering(tiles, cache, 8, 5, cuda) == tiles  # many splits: few tiles each
+            for max_splits in (1, 4):  # 264 programs: two per SM of 132
+                assert with_double_buffering(tiles, cache, 128, 264, max_splits, cuda).num_stages == few
+                assert with_double_buffering(tiles, cache, 128, 265, max_splits, cuda).num_stages == many
+            assert with_double_buffering(tiles, cache, 128, 8, 5, cuda) == tiles  # many splits each
+            assert with_double_buffering(tiles, cache, 256, 8, 1, cuda) == tiles  # D 256: not measured
         prefill = choose_tiles(8192, 1, 4, 128, cuda, bf16)
-        assert with_double_buffering(prefill, bf16, 8, 1, cuda) == prefill
+        assert with_double_buffering(prefill, bf16, 128, 8, 1, cuda) == prefill
         cpu_tiles = choose_tiles(128, 128, 4, 128, cpu, fp8)
-        assert with_double_buffering(cpu_tiles, fp8, 8, 1, cpu) == cpu_tiles  # interpreter tiles
+        assert with_double_buffering(cpu_tiles, fp8, 128, 8, 1, cpu) == cpu_tiles  # interpreter tiles
         # what the launcher takes: Qwen3-8B geometry (8 KV heads), 132 SMs
         assert tuple(default_tiles(128, 128, 32, 8, 128, cuda, fp8)) == (4, 16, 128, 4, deep, 4)
         assert tuple(default_tiles(8, 8, 32, 8, 128, cuda, fp8)) == (4, 16, 128, 4, deep, 1)  # 4 splits
