@@ -57,7 +57,8 @@ class LaunchConfig:
     merge_chunk: int = 32  # splits one merge step loads at once
 
 
-def default_config(rows_pad: int, cache_dtype: torch.dtype, device: torch.device) -> LaunchConfig:
+def default_config(rows_pad: int, cache_dtype: torch.dtype, device: torch.device,
+                   head_dim: int = 128) -> LaunchConfig:
     """Measured on an H200 (bench/results/context_attention_run3.md, tile sweep; the stages:
     kernel_variants_15_stages.md, _16_stages.md and _17_stages.md).
 
@@ -65,7 +66,8 @@ def default_config(rows_pad: int, cache_dtype: torch.dtype, device: torch.device
     the page-id loads in an offline sm_90 build (3 keep one buffer): side by side, the single pass
     4-11% faster at B 64-256 (NKV 4 B 256 ctx 8192: 90% -> 99% of copy), the split path 3-16% (B 1
     NKV 4 ctx 8192: 15.9 -> 15.4 us; B 4 NKV 8 ctx 32768: 165.5 -> 139.4); 7 stages 0-9% slower. An
-    fp8 context keeps 3 (5 stages: 7-28% slower).
+    fp8 context keeps 3 (5 stages: 6-28% slower), and so does a head dim above 128 (measured at 128
+    only; three buffers of D 256 tiles would not fit in shared memory).
     """
     if device.type != "cuda":  # the interpreter: small tiles run faster in numpy
         return LaunchConfig(block_n=32, num_warps=4, num_stages=1, merge_chunk=4)
@@ -73,7 +75,7 @@ def default_config(rows_pad: int, cache_dtype: torch.dtype, device: torch.device
         return LaunchConfig(block_n=64, num_warps=8, num_stages=2)
     if cache_dtype == FP8:  # half the bytes per tile: longer tiles amortise the widening to 16 bit
         return LaunchConfig(block_n=128, num_warps=4, num_stages=3)
-    return LaunchConfig(block_n=64, num_warps=4, num_stages=5)
+    return LaunchConfig(block_n=64, num_warps=4, num_stages=5 if head_dim <= 128 else 3)
 
 
 # p x v_scale feeds the fp16 MMA over an fp8 context, so a Python-float v_scale above this keeps
@@ -236,4 +238,4 @@ def paged_context_attention(q, k_cache, v_cache, block_table, ctx_lens, k_noise,
     min_tokens = 1 if num_splits is not None else split_kv.min_tokens_per_split(rows_pad)
     return _launch_context_attention(q, k_cache, v_cache, block_table, ctx_lens, k_noise, v_noise, out,
                                      scale, k_scale, v_scale, max_splits, min_tokens,
-                                     default_config(rows_pad, k_cache.dtype, q.device))
+                                     default_config(rows_pad, k_cache.dtype, q.device, head_dim))

@@ -77,7 +77,8 @@ class TileConfig(NamedTuple):
 # An fp8 prefill takes half the rows (PREFILL_ROWS // 2) x 128 keys in 5 stages, where Triton gives
 # its V two buffers (one at 3, an offline sm_90 build): 5% faster than 256 x 64 in 3 stages
 # (1587.7 -> 1506.0 us for the 8k prefill; 256 x 64 in 5 stages 2.4%, the bf16 tile at 5 stages 0%:
-# bench/results/kernel_variants_19_prefill_stages.md).
+# bench/results/kernel_variants_19_prefill_stages.md). Above DOUBLE_BUFFER_MAX_HEAD_DIM it takes the
+# 16-bit prefill tile, as before.
 GPU_TILES = {
     ("decode", 2): (128, 4, 3), ("verify", 2): (64, 4, 3), ("prefill", 2): (64, 8, 3),
     ("decode", 1): (128, 4, 2), ("verify", 1): (128, 4, 2), ("prefill", 1): (128, 8, 5),
@@ -109,6 +110,8 @@ def choose_tiles(num_tokens: int, num_seqs: int, group: int, head_dim: int, devi
         # The interpreter: small key tiles so tests cross tiles and pages at tiny lengths.
         return TileConfig(block_q, block_m, 16, 4, 1)
     block_n, num_warps, num_stages = GPU_TILES[regime, min(2, cache_dtype.itemsize)]
+    if regime == "prefill" and head_dim > DOUBLE_BUFFER_MAX_HEAD_DIM:  # fp8's 128 x 128 tile: measured at
+        block_n, num_warps, num_stages = GPU_TILES["prefill", 2]  # D 128, 225 KiB of shared memory at D 256
     if regime == "verify" and cache_dtype.itemsize == 2 and block_m <= 32:
         block_n = 128
     # The sweep's tiles hold <= 32 KiB of K per stage (bf16, D 128): wider keys (fp32, D 256) get
@@ -117,8 +120,6 @@ def choose_tiles(num_tokens: int, num_seqs: int, group: int, head_dim: int, devi
         block_n //= 2
     if wide_operands:
         num_stages = min(num_stages, 2)
-    if head_dim > DOUBLE_BUFFER_MAX_HEAD_DIM:  # the 5-stage tiles were measured at D 128 only
-        num_stages = min(num_stages, 3)
     return TileConfig(block_q, block_m, block_n, num_warps, num_stages)
 
 

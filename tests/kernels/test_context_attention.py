@@ -274,6 +274,17 @@ def test_gpu_fp8_context_at_small_head_dims(head_dim):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, FP8])
+def test_gpu_head_dim_256_takes_tiles_that_fit_shared_memory(cache_dtype):
+    # the 5 stages a bf16 context takes at D <= 128 would not fit three D 256 buffers
+    scales = {"k_scale": 0.8, "v_scale": 1.3} if cache_dtype == FP8 else {}
+    for lens, num_splits in (([700, 33], 1), ([5000], None)):  # the single pass; a split request
+        case = make_case(lens, 16, 4, 2, 256, 16, torch.bfloat16, cache_dtype, seed=len(lens), **scales)
+        got = run_kernel(case, num_splits=num_splits, **scales)
+        assert_matches(got, oracle(case, **scales), torch.bfloat16)
+
+
+@pytest.mark.gpu
 def test_gpu_graph_replays_at_other_lengths():
     case = make_case([3000, 3000, 3000], 16, 4, 4, 128, 32, torch.bfloat16, seed=5)  # full tables
     ctx_lens = case["ctx_lens"]
@@ -305,10 +316,11 @@ def test_gpu_batch_size_change_does_not_recompile():
 
 def test_gpu_launch_config_double_buffers_a_16_bit_context():
     # measured on an H200: 5 stages (two K/V buffers behind the page-id loads) for a bf16 context on
-    # both paths; an fp8 context measured slower with them and keeps 3
+    # both paths; an fp8 context measured slower with them and keeps 3, as does a head dim above 128
     cuda = torch.device("cuda")
     bf16 = ca.default_config(64, torch.bfloat16, cuda)
     assert (bf16.block_n, bf16.num_warps, bf16.num_stages) == (64, 4, 5)
     assert ca.default_config(64, torch.float8_e4m3fn, cuda).num_stages == 3
+    assert ca.default_config(64, torch.bfloat16, cuda, head_dim=256).num_stages == 3  # shared memory
     assert ca.default_config(128, torch.bfloat16, cuda).num_warps == 8  # 128 rows: 8 warps' registers
     assert ca.default_config(64, torch.bfloat16, torch.device("cpu")).num_stages == 1  # the interpreter

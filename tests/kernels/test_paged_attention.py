@@ -390,3 +390,20 @@ def test_gpu_graph_replay_follows_new_lengths():
     out.fill_(float("nan"))
     graph.replay()
     assert_close(out, attention_f64(**batch), torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cache", ["bf16", "fp8"])
+def test_gpu_head_dim_256_takes_tiles_that_fit_shared_memory(cache):
+    # the widest head dim: a prefill chunk, a verify block and decodes at the default tiles (the
+    # 5-stage tiles measured at D 128 are not taken here; their D 256 buffers would not fit)
+    mixed = ([300, 16, 1, 1], [500, 2000, 4000, 0])
+    decode = ([1] * 24, [1 + (i * 397) % 2100 for i in range(24)])  # 96 items: 2 splits each
+    for q_lens, ctx in (mixed, decode):
+        batch = make_batch(q_lens, ctx, 16, 4, 256, dtype=torch.bfloat16, device="cuda")
+        scales = {}
+        if cache == "fp8":
+            scales = dict(k_scale=0.5, v_scale=0.25)
+            batch["k_cache"] = (batch["k_cache"].float() / 0.5).to(torch.float8_e4m3fn)
+            batch["v_cache"] = (batch["v_cache"].float() / 0.25).to(torch.float8_e4m3fn)
+        assert_close(run_kernel(batch, **scales), attention_f64(**batch, **scales), torch.bfloat16)

@@ -33,7 +33,7 @@ def test_gpu_tile_rules_follow_the_regime_and_the_operand_width():
     assert tuple(prefill) == (64, 256, 64, 8, 3, 1)  # (q, m, n, warps, stages, key lanes)
     prefill_fp8 = choose_tiles(8192, 1, 4, 128, cuda, fp8)  # half the rows, 128 keys, two V buffers
     assert tuple(prefill_fp8) == (32, 128, 128, 8, 5, 1)
-    assert choose_tiles(8192, 1, 4, 256, cuda, fp8).num_stages == 3  # D 256: shared memory
+    assert tuple(choose_tiles(8192, 1, 4, 256, cuda, fp8)) == (32, 128, 64, 8, 3, 1)  # D 256: shared memory
     wide = choose_tiles(8192, 1, 4, 128, cuda, fp32, fp32)  # 32-bit operands: half the rows, 2 stages
     assert (wide.block_m, wide.num_stages) == (128, 2)
     assert choose_tiles(8192, 1, 4, 256, cuda, bf16).block_m == 128  # D 256
