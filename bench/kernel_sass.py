@@ -7,8 +7,9 @@
 Compiles one launch configuration of `kernels.paged_attention_kernel._paged_attention_kernel` (or of
 `kernels.context_attention_kernel._context_attention_kernel`) with Triton for an H100/H200 target
 (GPUTarget("cuda", 90)), disassembles the cubin with the cuobjdump bundled in Triton's wheel, and
-prints how often each SASS opcode occurs, with the shared-memory size, the registers per thread and
-the first key loop's instructions, CTA barriers and local-memory accesses. `--source` compiles another
+prints how often each SASS opcode occurs, with the shared-memory size, the registers per thread, the
+depth of the K/V buffer rings the pipeliner allocated and the first key loop's instructions, CTA
+barriers and local-memory accesses. `--source` compiles another
 version of the kernel file instead (for example ``git show COMMIT:kernels/paged_attention_kernel.py``),
 so two versions compare without a device. `--keep DIR` writes the TTGIR, PTX and SASS there.
 
@@ -122,6 +123,17 @@ def first_loop(sass: str) -> collections.Counter:
     return collections.Counter()
 
 
+PIPELINE_BUFFER = re.compile(
+    r"= ttg\.local_alloc : \(\) -> !ttg\.memdesc<(\d+)x[\dx]*x(f8E4M3FN|bf16|f16|f32),")
+
+
+def kv_buffers(ttgir: str) -> list[int]:
+    """Depth of each multi-buffered tile of the cache's element type that the pipeliner allocated (one
+    entry per K or V buffer ring, key loop by key loop): 1 means each tile's loads wait for the
+    previous tile's compute."""
+    return [int(depth) for depth, _ in PIPELINE_BUFFER.findall(ttgir)]
+
+
 def registers(workdir: Path) -> str:
     """Registers per thread of the cubin `disassemble` wrote (what bounds programs per SM)."""
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
@@ -167,6 +179,7 @@ def main() -> None:
     print(f"{args.kernel} {args.cache} tile {args.tile} warps {args.warps} stages {args.stages}: "
           f"{sum(counts.values())} instructions, {compiled.metadata.shared} B shared memory, "
           f"{registers(workdir)} registers per thread")
+    print(f"K/V buffer rings (depth each): {kv_buffers(compiled.asm['ttgir'])}")
     loop = first_loop(sass)
     print(f"key loop: {sum(loop.values())} instructions, {loop['BAR.SYNC.DEFER_BLOCKING']} CTA barriers, "
           f"{sum(n for op, n in loop.items() if op.startswith(('LDL', 'STL')))} local-memory accesses")

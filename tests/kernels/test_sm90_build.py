@@ -11,6 +11,11 @@ e4m3 (QGMMA, for q's two terms) with the keys as stored, so only the values are
 widened; an fp8 dot that Triton lowered by widening both operands again would keep the cost and lose
 nothing visible in the outputs.
 
+The stage counts the launchers take (`paged_attention.DOUBLE_BUFFER_STAGES`, the context kernel's 5)
+rest on how Triton's pipeliner spends stages: the page-id loads take some, so a decode tile holds ONE
+K and V buffer at 3 stages and two at 5, the context tile two at 3 and three at 5. If a Triton
+update moves that, the measured choices need measuring again.
+
 Key lanes (`TileConfig.key_lanes`) must keep a decode tile's row max and sum inside warps: fewer CTA
 barriers in the key loop than the same tile with its keys split over the warps.
 """
@@ -31,11 +36,16 @@ pytestmark = pytest.mark.skipif(not triton.__version__.startswith("3.9"),
                                 reason="SASS shapes checked against the pinned Triton 3.9")
 
 
-def opcode_counts(*flags: str) -> dict[str, int]:
+def sass_report(*flags: str) -> str:
+    """What bench/kernel_sass.py prints for these flags (a subprocess: the tests' interpreter is on)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(ROOT)
-    out = subprocess.run([sys.executable, str(ROOT / "bench" / "kernel_sass.py"), "--top", "0", *flags],
-                         check=True, capture_output=True, text=True, env=env, cwd=ROOT).stdout
+    return subprocess.run([sys.executable, str(ROOT / "bench" / "kernel_sass.py"), *flags],
+                          check=True, capture_output=True, text=True, env=env, cwd=ROOT).stdout
+
+
+def opcode_counts(*flags: str) -> dict[str, int]:
+    out = sass_report("--top", "0", *flags)
     return {op: int(n) for n, op in re.findall(r"^\s*(\d+)\s+(\S+)$", out, re.MULTILINE)}
 
 
@@ -63,12 +73,23 @@ def test_e4m3_scores_take_the_stored_keys_into_the_hopper_mma(kernel_flags):
     assert e4m3[widen] < fp16[widen]  # the key tiles are no longer widened (q's terms widen once)
 
 
+def kv_buffer_depths(*flags: str) -> set[int]:
+    found = re.search(r"K/V buffer rings \(depth each\): \[([\d, ]*)\]", sass_report("--top", "1", *flags))
+    return {int(x) for x in found.group(1).split(",")}
+
+
+@pytest.mark.parametrize(("flags", "shallow", "deep"), [
+    (["--kernel", "paged", "--cache", "fp8", "--tile", "4,16,128", "--key-lanes", "4"], 1, 2),
+    (["--kernel", "paged", "--cache", "fp8", "--tile", "8,32,128"], 1, 2),
+    (["--kernel", "context", "--cache", "bf16", "--rows", "64", "--tile", "0,0,64"], 2, 3)])
+def test_five_stages_add_a_kv_buffer_behind_the_page_id_loads(flags, shallow, deep):
+    assert kv_buffer_depths(*flags, "--stages", "3") == {shallow}
+    assert kv_buffer_depths(*flags, "--stages", "5") == {deep}
+
+
 def key_loop(*flags: str) -> tuple[int, int, int]:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(ROOT)
-    out = subprocess.run([sys.executable, str(ROOT / "bench" / "kernel_sass.py"), "--top", "1", *flags],
-                         check=True, capture_output=True, text=True, env=env, cwd=ROOT).stdout
-    found = re.search(r"key loop: (\d+) instructions, (\d+) CTA barriers, (\d+) local", out)
+    report = sass_report("--top", "1", *flags)
+    found = re.search(r"key loop: (\d+) instructions, (\d+) CTA barriers, (\d+) local", report)
     return tuple(int(x) for x in found.groups())
 
 
