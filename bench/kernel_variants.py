@@ -67,10 +67,10 @@ CONTEXT_CASES = [
 ]
 # (name, cache, q_len, B, ctx, tiles or None for the default, num_splits or None for the plan)
 SHAPE_VARIANTS = [  # earlier sets are in bench/results/kernel_variants_*.json
-    # the 8k prefill at 5 stages: the fp8 tile's V is single-buffered at 3 (an offline sm_90 build)
-    ("fp8 prefill, 5 stages", "fp8", 8192, 1, 8192, TileConfig(64, 256, 64, 8, 5), None),
-    ("fp8 prefill, 128 x 128, 5 stages", "fp8", 8192, 1, 8192, TileConfig(32, 128, 128, 8, 5), None),
-    ("bf16 prefill, 5 stages", "bf16", 8192, 1, 8192, TileConfig(64, 256, 64, 8, 5), None),
+    # fp8 q_len 16 (64-row tiles, V in one buffer at 2-4 stages): 3 stages, and 64-key tiles in 5 (two V
+    # buffers, two programs per SM where the 128-key tile in 5 stages leaves one)
+    *[(f"fp8 q_len 16, {n} keys, {st} stages", "fp8", 16, b, c, TileConfig(16, 64, n, 4, st), None)
+      for n, st in ((128, 3), (64, 5)) for b, c in ((32, 8192), (128, 2048), (128, 8192))],
 ]
 # (name, cache, NKV, B, ctx, LaunchConfig[, least keys per split]) of the context kernel, next to
 # its default
