@@ -31,7 +31,7 @@ import triton
 
 import kernels
 from kernels import operands
-from kernels.paged_attention import choose_tiles
+from kernels.paged_tiles import choose_tiles
 
 log = logging.getLogger("bench.fp8_operands")
 VARIANTS = {"fp16 scores": False, "e4m3 scores": True}  # kernels.operands.FP8_QUERIES

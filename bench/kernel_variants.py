@@ -46,7 +46,7 @@ import triton
 
 from kernels import context_attention as ca
 from kernels import split_kv
-from kernels.paged_attention import TileConfig, default_tiles
+from kernels.paged_tiles import TileConfig, default_tiles
 
 log = logging.getLogger("bench.kernel_variants")
 pa = importlib.import_module("kernels.paged_attention")  # the package exports a function of that name

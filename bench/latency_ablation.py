@@ -43,7 +43,8 @@ import triton
 
 import kernels
 from kernels import pdl, split_kv
-from kernels.paged_attention import _launch_paged_attention, choose_tiles
+from kernels.paged_attention import _launch_paged_attention
+from kernels.paged_tiles import choose_tiles
 
 log = logging.getLogger("bench.latency_ablation")
 paged_module = importlib.import_module("kernels.paged_attention")

@@ -42,7 +42,8 @@ import triton
 from paged_attention_report import annotate, markdown, plot, summary  # bench/ is sys.path[0]
 from torch.nn.attention.bias import causal_lower_right
 
-from kernels.paged_attention import TileConfig, _launch_paged_attention, choose_tiles, default_tiles
+from kernels.paged_attention import _launch_paged_attention
+from kernels.paged_tiles import TileConfig, choose_tiles, default_tiles
 
 log = logging.getLogger("bench.paged_attention")
 

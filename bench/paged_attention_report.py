@@ -51,7 +51,7 @@ def markdown(result) -> str:
               "warps, stages; the best per regime and cache dtype is used above):", ""]
     if not result["sweep"]["rows"]:
         lines[-2] = ("No tile sweep in this run (--no-sweep): the tiles are choose_tiles' GPU defaults "
-                     "(kernels.paged_attention.GPU_TILES), the winners of the sweep in "
+                     "(kernels.paged_tiles.GPU_TILES), the winners of the sweep in "
                      "paged_attention_sweep.md.")
     for r in result["sweep"]["rows"]:
         timed = f"{r['seconds'] * 1e6:.1f} us" if "seconds" in r else f"failed ({r['error'][:80]})"

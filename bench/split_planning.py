@@ -31,7 +31,7 @@ import torch
 import triton
 
 from kernels import split_kv
-from kernels.paged_attention import choose_tiles
+from kernels.paged_tiles import choose_tiles
 
 log = logging.getLogger("bench.split_planning")
 current_rule = split_kv.plan_max_splits

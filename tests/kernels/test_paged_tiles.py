@@ -1,7 +1,7 @@
 """The paged kernel's launch-shape rules: `choose_tiles`, key lanes, stages, `default_tiles`.
 
 They read static shapes and dtypes only, so their GPU rules are checked here without a GPU; the
-shapes they pick are run against a float64 oracle in test_paged_attention.py.
+shapes they pick are run against a float64 oracle in test_paged_attention.py and its _gpu twin.
 """
 
 from unittest import mock
@@ -9,7 +9,7 @@ from unittest import mock
 import torch
 
 from kernels import split_kv
-from kernels.paged_attention import (
+from kernels.paged_tiles import (
     DOUBLE_BUFFER_STAGES,
     choose_tiles,
     default_tiles,

@@ -11,7 +11,7 @@ e4m3 (QGMMA, for q's two terms) with the keys as stored, so only the values are
 widened; an fp8 dot that Triton lowered by widening both operands again would keep the cost and lose
 nothing visible in the outputs.
 
-The stage counts the launchers take (`paged_attention.DOUBLE_BUFFER_STAGES`, the context kernel's 5)
+The stage counts the launchers take (`paged_tiles.DOUBLE_BUFFER_STAGES`, the context kernel's 5)
 rest on how Triton's pipeliner spends stages: the page-id loads take some, so a decode tile holds ONE
 K and V buffer at 3 stages and two at 5, the context tile two at 3 and three at 5. If a Triton
 update moves that, the measured choices need measuring again.
