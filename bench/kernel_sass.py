@@ -9,9 +9,9 @@ Compiles one launch configuration of `kernels.paged_attention_kernel._paged_atte
 (GPUTarget("cuda", 90)), disassembles the cubin with the cuobjdump bundled in Triton's wheel, and
 prints how often each SASS opcode occurs, with the shared-memory size, the registers per thread, the
 depth of the K/V buffer rings the pipeliner allocated and the first key loop's instructions, CTA
-barriers and local-memory accesses. `--source` compiles another
-version of the kernel file instead (for example ``git show COMMIT:kernels/paged_attention_kernel.py``),
-so two versions compare without a device. `--keep DIR` writes the TTGIR, PTX and SASS there.
+barriers and local-memory accesses. `--source` compiles another version of the kernel file instead
+(for example ``git show COMMIT:kernels/paged_attention_kernel.py``), so two versions compare without
+a device. `--keep DIR` writes the TTGIR, PTX and SASS there.
 
 The build mirrors a launch of bench/paged_attention.py (Qwen3-8B geometry: 32 query heads, 8 KV
 heads, D 128, 16-token pages; the context kernel: group 4, 32-token pages, single pass) with the GPU
@@ -124,14 +124,14 @@ def first_loop(sass: str) -> collections.Counter:
 
 
 PIPELINE_BUFFER = re.compile(
-    r"= ttg\.local_alloc : \(\) -> !ttg\.memdesc<(\d+)x[\dx]*x(f8E4M3FN|bf16|f16|f32),")
+    r"= ttg\.local_alloc : \(\) -> !ttg\.memdesc<(\d+)x[\dx]*x(?:f8E4M3FN|bf16|f16|f32),")
 
 
 def kv_buffers(ttgir: str) -> list[int]:
-    """Depth of each multi-buffered tile of the cache's element type that the pipeliner allocated (one
-    entry per K or V buffer ring, key loop by key loop): 1 means each tile's loads wait for the
+    """Depth of each K or V buffer ring the pipeliner allocated (its mutable, argument-less shared
+    allocations of a float tile), key loop by key loop: 1 means each tile's loads wait for the
     previous tile's compute."""
-    return [int(depth) for depth, _ in PIPELINE_BUFFER.findall(ttgir)]
+    return [int(depth) for depth in PIPELINE_BUFFER.findall(ttgir)]
 
 
 def registers(workdir: Path) -> str:

@@ -31,6 +31,7 @@ import triton.language as tl
 from kernels import operands, pdl, reference, split_kv
 from kernels.context_attention_kernel import _context_attention_kernel, _context_merge_kernel
 from kernels.dispatch import resolve_backend
+from kernels.paged_tiles import DOUBLE_BUFFER_MAX_HEAD_DIM, DOUBLE_BUFFER_STAGES
 from kernels.validation import (
     ACTIVATION_DTYPES,
     FP8,
@@ -62,12 +63,13 @@ def default_config(rows_pad: int, cache_dtype: torch.dtype, device: torch.device
     """Measured on an H200 (bench/results/context_attention_run3.md, tile sweep; the stages:
     kernel_variants_15_stages.md, _16_stages.md and _17_stages.md).
 
-    A 16-bit context takes 5 stages, the first count at which Triton double-buffers its K/V behind
-    the page-id loads in an offline sm_90 build (3 keep one buffer): side by side, the single pass
-    4-11% faster at B 64-256 (NKV 4 B 256 ctx 8192: 90% -> 99% of copy), the split path 3-16% (B 1
-    NKV 4 ctx 8192: 15.9 -> 15.4 us; B 4 NKV 8 ctx 32768: 165.5 -> 139.4); 7 stages 0-9% slower. An
-    fp8 context keeps 3 (5 stages: 6-28% slower), and so does a head dim above 128 (measured at 128
-    only; three buffers of D 256 tiles would not fit in shared memory).
+    A 16-bit context takes DOUBLE_BUFFER_STAGES (5, as the paged kernel's decode-size tiles), the
+    first count at which Triton double-buffers its K/V behind the page-id loads in an offline sm_90
+    build (3 keep one buffer): side by side, the single pass 4-11% faster at B 64-256 (NKV 4 B 256
+    ctx 8192: 90% -> 99% of copy), the split path 3-16% (B 1 NKV 4 ctx 8192: 15.9 -> 15.4 us; B 4
+    NKV 8 ctx 32768: 165.5 -> 139.4); 7 stages 0-9% slower. An fp8 context keeps 3 (5 stages: 6-28%
+    slower), and so does a head dim above DOUBLE_BUFFER_MAX_HEAD_DIM (measured at 128 only; three
+    buffers of D 256 tiles would not fit in shared memory).
     """
     if device.type != "cuda":  # the interpreter: small tiles run faster in numpy
         return LaunchConfig(block_n=32, num_warps=4, num_stages=1, merge_chunk=4)
@@ -75,7 +77,9 @@ def default_config(rows_pad: int, cache_dtype: torch.dtype, device: torch.device
         return LaunchConfig(block_n=64, num_warps=8, num_stages=2)
     if cache_dtype == FP8:  # half the bytes per tile: longer tiles amortise the widening to 16 bit
         return LaunchConfig(block_n=128, num_warps=4, num_stages=3)
-    return LaunchConfig(block_n=64, num_warps=4, num_stages=5 if head_dim <= 128 else 3)
+    if head_dim > DOUBLE_BUFFER_MAX_HEAD_DIM:
+        return LaunchConfig(block_n=64, num_warps=4, num_stages=3)
+    return LaunchConfig(block_n=64, num_warps=4, num_stages=DOUBLE_BUFFER_STAGES)
 
 
 # p x v_scale feeds the fp16 MMA over an fp8 context, so a Python-float v_scale above this keeps

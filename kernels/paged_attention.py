@@ -146,8 +146,9 @@ def _launch_paged_attention(q, k_cache, v_cache, block_table, seq_lens, query_st
             num_splits)
     else:
         paged_tiles.check_tiles(tiles)
-        max_splits, min_tokens = paged_tiles.split_plan(num_tokens, batch, num_heads, num_kv_heads, head_dim,
-                                                        tiles, num_splits, q.device)
+        num_items = paged_tiles.work_items(num_tokens, batch, num_kv_heads, tiles)
+        max_splits, min_tokens = paged_tiles.split_plan(num_items, num_heads, head_dim, tiles, num_splits,
+                                                        q.device)
     split = max_splits > 1
     grid = launch_grid(num_tokens, batch, num_kv_heads, max_splits, tiles.block_q)
     d_pad = max(16, triton.next_power_of_2(head_dim))

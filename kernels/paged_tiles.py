@@ -28,7 +28,8 @@ PREFILL_ROWS = 256
 MAX_VERIFY_QUERIES = 16
 MAX_KEY_TILE_BYTES = 32 << 10
 # Pipeline stages at which Triton double-buffers the K/V tiles of decode-size tiles behind their page-id
-# loads, and the most splits per work item for which they pay (`with_double_buffering`).
+# loads (`with_double_buffering`; the context kernel's 16-bit tiles take them too), and the most
+# splits per work item for which they pay.
 DOUBLE_BUFFER_STAGES = 5
 FEW_SPLITS = 4
 # The head dims they were measured at (D 128); wider heads keep the tiles they took before.
@@ -156,33 +157,29 @@ def default_tiles(num_tokens: int, num_seqs: int, num_heads: int, num_kv_heads: 
 
 
 def default_plan(num_tokens, num_seqs, num_heads, num_kv_heads, head_dim, device, cache_dtype, q_dtype,
-                  num_splits) -> tuple[TileConfig, int, int]:
+                 num_splits) -> tuple[TileConfig, int, int]:
     """(tiles, max_splits, min_tokens_per_split) of a call that leaves the tiles to the launcher.
 
     Key lanes and stages change none of the tile sizes the split plan reads, so the plan holds after
     them."""
     tiles = choose_tiles(num_tokens, num_seqs, num_heads // num_kv_heads, head_dim, device, cache_dtype,
                          q_dtype)
-    max_splits, min_tokens = split_plan(num_tokens, num_seqs, num_heads, num_kv_heads, head_dim, tiles,
-                                         num_splits, device)
+    num_items = work_items(num_tokens, num_seqs, num_kv_heads, tiles)
+    max_splits, min_tokens = split_plan(num_items, num_heads, head_dim, tiles, num_splits, device)
     tiles = with_key_lanes(tiles, cache_dtype, max_splits > 1, device)
-    num_items = _work_items(num_tokens, num_seqs, num_kv_heads, tiles)
     return (with_double_buffering(tiles, cache_dtype, head_dim, num_items, max_splits, device), max_splits,
             min_tokens)
 
 
-def _work_items(num_tokens: int, num_seqs: int, num_kv_heads: int, tiles: TileConfig) -> int:
+def work_items(num_tokens: int, num_seqs: int, num_kv_heads: int, tiles: TileConfig) -> int:
     """Programs of a one-split grid that have work: query tiles (at least one per sequence) x KV heads."""
     return max(num_seqs, triton.cdiv(num_tokens, tiles.block_q)) * num_kv_heads
 
 
-def split_plan(num_tokens, num_seqs, num_heads, num_kv_heads, head_dim, tiles, num_splits,
-                device) -> tuple[int, int]:
-    """(max_splits, min_tokens_per_split) for the grid; 1 split means no partials and no merge.
-
-    The work items are `_work_items`: query tiles (at least one per sequence) x KV heads.
-    """
-    num_items = _work_items(num_tokens, num_seqs, num_kv_heads, tiles)
+def split_plan(num_items: int, num_heads: int, head_dim: int, tiles: TileConfig, num_splits: int | None,
+               device: torch.device) -> tuple[int, int]:
+    """(max_splits, min_tokens_per_split) for the grid of `num_items` work items (`work_items`); 1 split
+    means no partials and no merge."""
     mergeable = (num_heads % 16 == 0 or num_heads & (num_heads - 1) == 0) and (
         head_dim >= 16 and head_dim & (head_dim - 1) == 0)
     if not mergeable:
