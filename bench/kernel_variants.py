@@ -53,7 +53,7 @@ pa = importlib.import_module("kernels.paged_attention")  # the package exports a
 NOW = "now"
 # (cache, q_len, B, ctx): decode, verify and the 8k prefill, where the targets are missed
 PAGED_CASES = [
-    ("bf16", 1, 1, 8192), ("bf16", 1, 32, 2048), ("bf16", 1, 128, 8192),
+    ("bf16", 1, 1, 8192), ("bf16", 1, 32, 2048), ("bf16", 1, 128, 8192), ("bf16", 1, 256, 2048),
     ("bf16", 8, 32, 8192), ("bf16", 8, 128, 2048), ("bf16", 16, 32, 8192), ("bf16", 16, 128, 2048),
     ("bf16", 8192, 1, 8192),
     ("fp8", 1, 1, 8192), ("fp8", 1, 32, 2048), ("fp8", 1, 128, 8192), ("fp8", 4, 32, 8192),
@@ -67,10 +67,10 @@ CONTEXT_CASES = [
 ]
 # (name, cache, q_len, B, ctx, tiles or None for the default, num_splits or None for the plan)
 SHAPE_VARIANTS = [  # earlier sets are in bench/results/kernel_variants_*.json
-    # fp8 q_len 16 (64-row tiles, V in one buffer at 2-4 stages): 3 stages, and 64-key tiles in 5 (two V
-    # buffers, two programs per SM where the 128-key tile in 5 stages leaves one)
-    *[(f"fp8 q_len 16, {n} keys, {st} stages", "fp8", 16, b, c, TileConfig(16, 64, n, 4, st), None)
-      for n, st in ((128, 3), (64, 5)) for b, c in ((32, 8192), (128, 2048), (128, 8192))],
+    # bf16 decode in 64-key tiles at 5 stages: two 64-key K/V buffers where the default's 3 stages
+    # hold one 128-key buffer
+    *[("bf16 decode, 64 keys, 5 stages", "bf16", 1, b, c, TileConfig(4, 16, 64, 4, 5), None)
+      for b, c in ((32, 2048), (128, 2048), (128, 8192))],
 ]
 # (name, cache, NKV, B, ctx, LaunchConfig[, least keys per split]) of the context kernel, next to
 # its default

@@ -197,9 +197,12 @@ def _paged_attention_kernel(
     USE_PDL: tl.constexpr, SEQ_SEARCH: tl.constexpr, NARROW_Q: tl.constexpr, FP8_CVT_ASM: tl.constexpr,
     FP8_Q: tl.constexpr, KEY_LANES: tl.constexpr,
 ):
-    # Last tiles first: a causal chunk's later tiles see more keys, so they should not be the tail.
-    tile_id = tl.num_programs(0) - 1 - tl.program_id(0)
-    kv_head = tl.program_id(1)
+    # KV heads fastest in launch order, so the heads of one query tile run side by side and read
+    # the same pages (a page row holds every head's K/V of a token); last tiles first: a causal
+    # chunk's later tiles see more keys, so they should not be the tail.
+    launch_index = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
+    kv_head = launch_index % tl.num_programs(1)
+    tile_id = tl.num_programs(0) - 1 - launch_index // tl.num_programs(1)
     split_id = tl.program_id(2)
     pdl.wait_for_previous_grid(USE_PDL)
     seq = _find_seq(QueryStartLoc, num_seqs, tile_id, BLOCK_Q, SEQ_SEARCH)
