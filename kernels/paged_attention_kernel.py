@@ -15,6 +15,11 @@ One kernel serves prefill chunks, verify blocks and decode, mixed in one launch.
   (FUSED_MERGE: few rows, so one program reads all partials quickly; no second launch) or by
   `split_kv.merge_partials`.
 
+Programs map to (tile, head) with the heads fastest in launch order (the first two axes read as
+one index): the heads of a query tile run side by side and read the same pages, whose token rows
+interleave the heads (bf16 decode at B 128-256 2% faster than tiles fastest,
+bench/results/kernel_variants_21_head_order.md); query tiles run last first.
+
 Query i of sequence b sits at ``seq_lens[b] - q_len + i`` and sees keys at positions <= its own.
 Key tiles entirely below the tile's first query position need no mask and take the fast loop;
 the few tiles on the diagonal take the masked one.
@@ -197,9 +202,8 @@ def _paged_attention_kernel(
     USE_PDL: tl.constexpr, SEQ_SEARCH: tl.constexpr, NARROW_Q: tl.constexpr, FP8_CVT_ASM: tl.constexpr,
     FP8_Q: tl.constexpr, KEY_LANES: tl.constexpr,
 ):
-    # KV heads fastest in launch order, so the heads of one query tile run side by side and read
-    # the same pages (a page row holds every head's K/V of a token); last tiles first: a causal
-    # chunk's later tiles see more keys, so they should not be the tail.
+    # KV heads fastest in launch order (a page row holds every head's K/V of a token); last tiles
+    # first: a causal chunk's later tiles see more keys, so they should not be the tail.
     launch_index = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
     kv_head = launch_index % tl.num_programs(1)
     tile_id = tl.num_programs(0) - 1 - launch_index // tl.num_programs(1)
