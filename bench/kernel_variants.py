@@ -1,7 +1,7 @@
 """Attention kernel sources side by side: the working tree against other versions, one process.
 
     PYTHONPATH=. python bench/kernel_variants.py --out DIR --variant base=DIR1 [--variant NAME=DIR2 ...]
-        [--commit HASH] [--part paged|context|both|shapes] [--cache bf16|fp8] [--budget-s 420]
+        [--commit HASH] [--part paged|context|both|shapes] [--cache bf16|fp8] [--q-len N] [--budget-s 420]
 
 A variant directory holds `paged_attention_kernel.py` and/or `context_attention_kernel.py` (or,
 from before the launcher was split off, `context_attention.py`), other versions of the working
@@ -46,14 +46,15 @@ import triton
 
 from kernels import context_attention as ca
 from kernels import split_kv
-from kernels.paged_tiles import TileConfig, default_tiles
+from kernels.paged_tiles import default_tiles
 
 log = logging.getLogger("bench.kernel_variants")
 pa = importlib.import_module("kernels.paged_attention")  # the package exports a function of that name
 NOW = "now"
 # (cache, q_len, B, ctx): decode, verify and the 8k prefill, where the targets are missed
 PAGED_CASES = [
-    ("bf16", 1, 1, 8192), ("bf16", 1, 32, 2048), ("bf16", 1, 128, 8192), ("bf16", 1, 256, 2048),
+    ("bf16", 1, 1, 2048), ("bf16", 1, 1, 8192), ("bf16", 1, 8, 2048), ("bf16", 1, 32, 2048),
+    ("bf16", 1, 128, 8192), ("bf16", 1, 256, 2048),
     ("bf16", 8, 32, 8192), ("bf16", 8, 128, 2048), ("bf16", 16, 32, 8192), ("bf16", 16, 128, 2048),
     ("bf16", 8192, 1, 8192),
     ("fp8", 1, 1, 8192), ("fp8", 1, 32, 2048), ("fp8", 1, 128, 8192), ("fp8", 4, 32, 8192),
@@ -66,12 +67,7 @@ CONTEXT_CASES = [
     ("fp8", 4, 256, 2048),
 ]
 # (name, cache, q_len, B, ctx, tiles or None for the default, num_splits or None for the plan)
-SHAPE_VARIANTS = [  # earlier sets are in bench/results/kernel_variants_*.json
-    # bf16 decode in 64-key tiles at 5 stages: two 64-key K/V buffers where the default's 3 stages
-    # hold one 128-key buffer
-    *[("bf16 decode, 64 keys, 5 stages", "bf16", 1, b, c, TileConfig(4, 16, 64, 4, 5), None)
-      for b, c in ((32, 2048), (128, 2048), (128, 8192))],
-]
+SHAPE_VARIANTS = []  # earlier sets are in bench/results/kernel_variants_*.json
 # (name, cache, NKV, B, ctx, LaunchConfig[, least keys per split]) of the context kernel, next to
 # its default
 CONTEXT_SHAPES = []
@@ -284,6 +280,7 @@ def main() -> None:
                         help="shapes: only the launch-shape variants")
     parser.add_argument("--budget-s", type=float, default=420.0, help="stop starting cases after this")
     parser.add_argument("--cache", choices=("bf16", "fp8"), help="only the cases of this cache dtype")
+    parser.add_argument("--q-len", type=int, help="only the paged cases of this query count")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     variants = {NOW: {}}
@@ -302,7 +299,8 @@ def main() -> None:
               "command": "PYTHONPATH=. python bench/kernel_variants.py --out DIR "
                          + " ".join(f"--variant {v}" for v in args.variant)
                          + f" --commit {args.commit} --part {args.part}"
-                         + (f" --cache {args.cache}" if args.cache else ""),
+                         + (f" --cache {args.cache}" if args.cache else "")
+                         + (f" --q-len {args.q_len}" if args.q_len else ""),
               "ceilings": pab.ceilings(device, smoke=False), "paged": [], "context": [], "shapes": [],
               "context_shapes": []}
     args.out.mkdir(parents=True, exist_ok=True)
@@ -317,7 +315,7 @@ def main() -> None:
         pools = {name: pab.Pool(geo, pool_tokens(name, args.part, geo["tpb"]), dtype, device)
                  for name, dtype in pab.DTYPES.items() if args.cache in (None, name)}
         for case in PAGED_CASES if args.part != "shapes" else ():
-            if time.monotonic() < end and args.cache in (None, case[0]):
+            if time.monotonic() < end and args.cache in (None, case[0]) and args.q_len in (None, case[1]):
                 result["paged"].append(measure_paged(geo, pools, variants, case, device))
                 log.info("%s", result["paged"][-1])
                 save()

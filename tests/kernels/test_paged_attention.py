@@ -54,6 +54,17 @@ def test_every_program_finds_its_sequence_however_it_searches(search, monkeypatc
     assert_close(run_kernel(batch), attention_f64(**batch), torch.float32)
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("q_lens", [[1] * 23, [0, 6, 0, 0, 1, 0, 0, 1]], ids=["decode", "uneven"])
+def test_launches_of_one_query_per_sequence_guess_the_owner_or_search(q_lens, num_splits):
+    # T == B: each program guesses that sequence b holds query b; the uneven batch breaks the guess
+    # (a range longer than a tile shifts the owners of later tiles) and must fall back to the search
+    assert sum(q_lens) == len(q_lens)
+    ctx_lens = torch.randint(0, 60, (len(q_lens),)).tolist()
+    batch = make_batch(q_lens, ctx_lens, 8, 2, 16)
+    assert_close(run_kernel(batch, num_splits=num_splits), attention_f64(**batch), torch.float32)
+
+
 @pytest.mark.parametrize("tokens_per_block", [8, 16, 32])
 def test_chunked_prefill_equals_one_shot_prefill(tokens_per_block):
     # the same prompt attended in one pass and in chunks whose earlier K/V sit cached in pages
