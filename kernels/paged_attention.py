@@ -179,7 +179,6 @@ def _launch_paged_attention(q, k_cache, v_cache, block_table, seq_lens, query_st
         TOKENS_PER_BLOCK=k_cache.shape[1], SCALES_ON_DEVICE=on_device, SPLIT=split,
         FUSED_MERGE=fused, MERGE_CHUNK=merge_chunk, DOT_DTYPE=operands.TL_DTYPES[dot_dtype], USE_PDL=use_pdl,
         SEQ_SEARCH=SEQ_SEARCH if num_tokens > batch else 1,
-        GUESS_ONE_QUERY=num_tokens == batch,
         NARROW_Q=operands.narrows_q(dot_dtype, q.dtype), FP8_CVT_ASM=operands.fp8_cvt_asm(q.device),
         FP8_Q=operands.quantizes_q(k_cache.dtype, q.device, tiles.block_m, d_pad),
         KEY_LANES=tiles.key_lanes,

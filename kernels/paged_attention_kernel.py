@@ -63,36 +63,6 @@ def _find_seq(QueryStartLoc, num_seqs, tile_id, BLOCK_Q: tl.constexpr, SEARCH: t
 
 
 @triton.jit
-def _locate_tile(QueryStartLoc, SeqLens, num_seqs, tile_id, BLOCK_Q: tl.constexpr, SEARCH: tl.constexpr,
-                 GUESS_ONE_QUERY: tl.constexpr):
-    """(seq, q_start, q_len, seq_len) of the sequence owning query tile `tile_id` (`_find_seq`).
-
-    GUESS_ONE_QUERY, for launches of as many queries as sequences (decode): there sequence b
-    normally holds query b alone and owns tile b + b // BLOCK_Q, so the owner is guessed by
-    inverting that, and its query range and length load in one round trip instead of after a
-    search. The guess holds exactly when its range is [seq, seq + 1): the next sequence then
-    starts past this tile. A batch where it does not (an empty range beside a longer one) falls
-    back to the search.
-    """
-    if GUESS_ONE_QUERY:
-        seq = tl.minimum(tile_id - (tile_id + 1) // (BLOCK_Q + 1), num_seqs - 1)
-        q_start = tl.load(QueryStartLoc + seq)
-        q_end = tl.load(QueryStartLoc + seq + 1)
-        seq_len = tl.load(SeqLens + seq)
-        if (q_start != seq) | (q_end != seq + 1):
-            seq = _find_seq(QueryStartLoc, num_seqs, tile_id, BLOCK_Q, SEARCH)
-            q_start = tl.load(QueryStartLoc + seq)
-            q_end = tl.load(QueryStartLoc + seq + 1)
-            seq_len = tl.load(SeqLens + seq)
-    else:
-        seq = _find_seq(QueryStartLoc, num_seqs, tile_id, BLOCK_Q, SEARCH)
-        q_start = tl.load(QueryStartLoc + seq)
-        q_end = tl.load(QueryStartLoc + seq + 1)
-        seq_len = tl.load(SeqLens + seq)
-    return seq, q_start, q_end - q_start, seq_len
-
-
-@triton.jit
 def _key_rows(block_row, n, n_ok, kv_head, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
               TOKENS_PER_BLOCK: tl.constexpr, MASKED: tl.constexpr):
     """Element offsets of keys n (any shape) in K and V: the page of each key, then its row there.
@@ -229,8 +199,8 @@ def _paged_attention_kernel(
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,  #
     TOKENS_PER_BLOCK: tl.constexpr, SCALES_ON_DEVICE: tl.constexpr, SPLIT: tl.constexpr,  #
     FUSED_MERGE: tl.constexpr, MERGE_CHUNK: tl.constexpr, DOT_DTYPE: tl.constexpr,
-    USE_PDL: tl.constexpr, SEQ_SEARCH: tl.constexpr, GUESS_ONE_QUERY: tl.constexpr, NARROW_Q: tl.constexpr,
-    FP8_CVT_ASM: tl.constexpr, FP8_Q: tl.constexpr, KEY_LANES: tl.constexpr,
+    USE_PDL: tl.constexpr, SEQ_SEARCH: tl.constexpr, NARROW_Q: tl.constexpr, FP8_CVT_ASM: tl.constexpr,
+    FP8_Q: tl.constexpr, KEY_LANES: tl.constexpr,
 ):
     # KV heads fastest in launch order (a page row holds every head's K/V of a token); last tiles
     # first: a causal chunk's later tiles see more keys, so they should not be the tail.
@@ -239,12 +209,13 @@ def _paged_attention_kernel(
     tile_id = tl.num_programs(0) - 1 - launch_index // tl.num_programs(1)
     split_id = tl.program_id(2)
     pdl.wait_for_previous_grid(USE_PDL)
-    seq, q_start, q_len, seq_len = _locate_tile(QueryStartLoc, SeqLens, num_seqs, tile_id, BLOCK_Q,
-                                                SEQ_SEARCH, GUESS_ONE_QUERY)
+    seq = _find_seq(QueryStartLoc, num_seqs, tile_id, BLOCK_Q, SEQ_SEARCH)
+    q_start = tl.load(QueryStartLoc + seq)
+    q_len = tl.load(QueryStartLoc + seq + 1) - q_start
     tile_q0 = (tile_id - (q_start // BLOCK_Q + seq)) * BLOCK_Q  # first query of the tile, in seq
     if tile_q0 >= q_len:
         return
-    ctx_len = seq_len - q_len  # keys stored before this step's queries
+    ctx_len = tl.load(SeqLens + seq) - q_len  # keys stored before this step's queries
     tile_q1 = tl.minimum(tile_q0 + BLOCK_Q, q_len)
     kv_end = ctx_len + tile_q1  # keys the tile's last query sees
 

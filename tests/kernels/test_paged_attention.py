@@ -56,9 +56,9 @@ def test_every_program_finds_its_sequence_however_it_searches(search, monkeypatc
 
 @pytest.mark.parametrize("num_splits", [1, 3])
 @pytest.mark.parametrize("q_lens", [[1] * 23, [0, 6, 0, 0, 1, 0, 0, 1]], ids=["decode", "uneven"])
-def test_launches_of_one_query_per_sequence_guess_the_owner_or_search(q_lens, num_splits):
-    # T == B: each program guesses that sequence b holds query b; the uneven batch breaks the guess
-    # (a range longer than a tile shifts the owners of later tiles) and must fall back to the search
+def test_launches_of_as_many_queries_as_sequences_find_every_owner(q_lens, num_splits):
+    # T == B: pure decode, and an uneven batch where a range longer than a tile shifts the owners
+    # of later tiles (bench/results/kernel_variants_22_decode_guess.md timed a guess of them)
     assert sum(q_lens) == len(q_lens)
     ctx_lens = torch.randint(0, 60, (len(q_lens),)).tolist()
     batch = make_batch(q_lens, ctx_lens, 8, 2, 16)
