@@ -22,6 +22,7 @@ import datetime
 import json
 import logging
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -373,8 +374,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--budget-s", type=float, default=330.0, help="sweep time budget; later rows skip")
     parser.add_argument("--commit", default="unknown")
-    parser.add_argument("--command", default="PYTHONPATH=. python bench/context_attention.py")
+    parser.add_argument("--command", help="the command to record (default: this one's arguments)")
     args = parser.parse_args()
+    args.command = args.command or "PYTHONPATH=. python " + " ".join(sys.argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     device, gen = torch.device("cuda"), torch.Generator().manual_seed(0)
     args.out.mkdir(parents=True, exist_ok=True)
