@@ -70,13 +70,7 @@ CONTEXT_CASES = [
 SHAPE_VARIANTS = []  # earlier sets are in bench/results/kernel_variants_*.json
 # (name, cache, NKV, B, ctx, LaunchConfig[, least keys per split]) of the context kernel, next to
 # its default
-CONTEXT_SHAPES = [  # the split path with 16-bit partial states (q's dtype), the default tiles otherwise
-    *[(f"{cache} half partials", cache, nkv, b, c,
-       ca.LaunchConfig(block_n=block_n, num_warps=4, num_stages=stages, half_partials=True))
-      for cache, block_n, stages in (("bf16", 64, 5), ("fp8", 128, 3))
-      for nkv, b, c in ((4, 1, 2048), (4, 1, 8192), (4, 1, 32768), (8, 1, 8192), (4, 4, 8192), (8, 4, 2048),
-                        (4, 16, 8192))],
-]
+CONTEXT_SHAPES = []
 
 
 def pool_tokens(cache: str, part: str, tpb: int) -> int:

@@ -56,7 +56,6 @@ class LaunchConfig:
     merge_rows: int = 16  # rows x columns of one merge program: 16 x 32 was 4-9% faster per call than
     merge_cols: int = 32  # 16 x 16 at B 1-16 (split path, ctx 8192; bench/results/context_latency_merge.md)
     merge_chunk: int = 32  # splits one merge step loads at once
-    half_partials: bool = False  # split path: partial acc in q's dtype when that is 16-bit (lse stays fp32)
 
 
 def default_config(rows_pad: int, cache_dtype: torch.dtype, device: torch.device,
@@ -128,9 +127,8 @@ def _launch_context_attention(q, k_cache, v_cache, block_table, ctx_lens, k_nois
     num_tiles = rows_pad // merge_rows * (head_dim // merge_cols)
     split = max_splits > 1
     if split:
-        acc_dtype = q.dtype if config.half_partials and q.dtype.itemsize == 2 else torch.float32
         part_acc, part_lse = split_kv.alloc_partials(batch * num_kv_heads * rows_pad, max_splits, head_dim,
-                                                     q.device, acc_dtype)
+                                                     q.device)
     else:
         part_acc = part_lse = out  # unused by the single-pass variant
     k_arg, k_mode = scale_argument(k_scale)

@@ -228,8 +228,8 @@ def _context_attention_kernel(
     elif SPLIT:
         state, lse = finalize_state(acc, m_i, l_i)
         prow = (b64 * tl.num_programs(0) + kvh) * ROWS + rows
-        tl.store(part_acc_ptr + prow[:, None] * stride_pr + split * stride_ps + dims[None, :],
-                 state.to(part_acc_ptr.dtype.element_ty), mask=active[:, None])
+        tl.store(part_acc_ptr + prow[:, None] * stride_pr + split * stride_ps + dims[None, :], state,
+                 mask=active[:, None])
         tl.store(part_lse_ptr + prow * stride_lr + split * stride_ls, lse, mask=active)
 
 

@@ -14,9 +14,8 @@ Partial state (the FlashInfer "attention state", in base 2)
     ``lse = log2(sum_s 2**lse_s)``, ``acc = sum_s 2**(lse_s - lse) * acc_s``.
 
 Buffers
-    ``partial_acc`` [num_rows, max_splits, D] fp32 (or 16-bit: a normalised state lies in the
-    output's range) and ``partial_lse`` [num_rows, max_splits] fp32, indexed by (row, split);
-    kernels take their strides. `alloc_partials` makes them.
+    ``partial_acc`` [num_rows, max_splits, D] fp32 and ``partial_lse`` [num_rows, max_splits]
+    fp32, indexed by (row, split); kernels take their strides. `alloc_partials` makes them.
 
 Graph-safe planning (plan on the host, decide per request on the device)
     The host picks the grid's split dimension ``max_splits`` from the number of work items only
@@ -81,8 +80,6 @@ MAX_SPLITS = 64
 WAVES = 2
 # The "SM count" the planner assumes on CPU (the interpreter), so small CPU batches still split.
 CPU_SMS = 4
-# Element types a partial acc may be stored in; the merge folds in fp32 whatever it reads.
-PARTIAL_ACC_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @triton.jit
@@ -160,7 +157,7 @@ def merge_partial_chunks(acc_ptr, lse_ptr, rows, row_mask, cols, col_mask, strid
         part = tl.load(acc_ptr + rows64[:, None, None] * stride_acc_row
                        + splits[None, :, None] * stride_acc_split + cols[None, None, :],
                        mask=live[:, :, None] & col_mask[None, None, :], other=0.0,
-                       cache_modifier=".cg").to(tl.float32)  # [R, S, C]
+                       cache_modifier=".cg")  # [R, S, C]
         m_new = tl.maximum(m_i, tl.max(lse, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no keys yet
         alpha = tl.exp2(m_i - m_safe)
@@ -278,17 +275,13 @@ def plan_max_splits(num_items: int, device: torch.device, num_splits: int | None
     return max(1, min(MAX_SPLITS, WAVES * sms // num_items))
 
 
-def alloc_partials(num_rows: int, max_splits: int, head_dim: int, device: torch.device,
-                   acc_dtype: torch.dtype = torch.float32):
-    """Uninitialised partial buffers: acc [num_rows, max_splits, D] (fp32, or a 16-bit `acc_dtype`:
-    a normalised state holds values of the output's range) and fp32 lse [num_rows, max_splits].
+def alloc_partials(num_rows: int, max_splits: int, head_dim: int, device: torch.device):
+    """Uninitialised fp32 partial buffers: acc [num_rows, max_splits, D], lse [num_rows, max_splits].
 
     Every split below a work item's count writes its slot (empty splits write the empty state),
     and the merge reads no other slot, so no initialisation is needed.
     """
-    if acc_dtype not in PARTIAL_ACC_DTYPES:
-        raise ValueError(f"partial acc dtype must be one of {PARTIAL_ACC_DTYPES}, got {acc_dtype}")
-    acc = torch.empty(num_rows, max_splits, head_dim, dtype=acc_dtype, device=device)
+    acc = torch.empty(num_rows, max_splits, head_dim, dtype=torch.float32, device=device)
     lse = torch.empty(num_rows, max_splits, dtype=torch.float32, device=device)
     return acc, lse
 
@@ -331,9 +324,9 @@ def arrival_counters(num_items: int, device: torch.device) -> torch.Tensor:
 
 
 def _check_merge_args(acc, lse, lengths, out, rows_per_length, extra_acc, extra_lse, out_lse):
-    if acc.dim() != 3 or acc.dtype not in PARTIAL_ACC_DTYPES or acc.stride(2) != 1:
-        raise ValueError(f"partial_acc must be fp32, bf16 or fp16 [rows, splits, D] with unit last stride, "
-                         f"got {acc.dtype} {tuple(acc.shape)}")
+    if acc.dim() != 3 or acc.dtype != torch.float32 or acc.stride(2) != 1:
+        raise ValueError(f"partial_acc must be fp32 [rows, splits, D] with unit last stride, got "
+                         f"{acc.dtype} {tuple(acc.shape)}")
     num_rows, max_splits, head_dim = acc.shape
     if lse.shape != (num_rows, max_splits) or lse.dtype != torch.float32:
         raise ValueError(f"partial_lse must be fp32 {(num_rows, max_splits)}, got {lse.dtype} "
@@ -365,8 +358,7 @@ def merge_partials(partial_acc, partial_lse, lengths, out, *, rows_per_length, m
 
     Parameters
     ----------
-    partial_acc : Tensor [num_rows, max_splits_alloc, D] fp32, bf16 or fp16
-    partial_lse : Tensor [num_rows, max_splits_alloc] fp32
+    partial_acc : Tensor [num_rows, max_splits_alloc, D] fp32, partial_lse : [num_rows, max_splits_alloc] fp32
         The split kernel's states; only splits below each row's count are read.
     lengths : Tensor [num_rows // rows_per_length] int32
         Key count of each work item; rows r belongs to item r // rows_per_length.

@@ -116,24 +116,6 @@ def test_forced_splits_with_empty_splits(num_splits):
     assert_matches(run_kernel(case, num_splits=num_splits), oracle(case), torch.float32)
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-def test_half_partials_follow_q_and_match_float64(dtype):
-    # the split path with 16-bit partial states: fp16 q stores them in fp16, fp32 q keeps fp32
-    case = make_case([0, 45, 130], 4, 4, 2, 32, 16, dtype, seed=int(torch.randint(1000, ()).item()))
-    half = ca.LaunchConfig(block_n=32, num_warps=4, num_stages=1, merge_chunk=4, half_partials=True)
-    allocated, alloc = [], kernels.split_kv.alloc_partials
-
-    def spy(*args):
-        allocated.append(args[-1])
-        return alloc(*args)
-
-    with mock.patch.object(ca, "default_config", return_value=half), \
-            mock.patch.object(ca.split_kv, "alloc_partials", side_effect=spy):
-        got = run_kernel(case, num_splits=3)
-    assert allocated == [dtype]
-    assert_matches(got, oracle(case), dtype)
-
-
 def test_default_plan_splits_a_long_context():
     # one request x 2 KV heads is under the SM count: the default plan splits it on the device;
     # 20 rows pad to 32: two merge tiles of 16 rows

@@ -95,18 +95,13 @@ def _states_from_scores(scores, values, ranges):
     return acc, lse
 
 
-# (partial acc dtype, tolerance): a 16-bit state rounds each normalised value once before the merge
-ACC_DTYPES = [(torch.float32, 1e-5), (torch.float16, 2e-3), (torch.bfloat16, 1.6e-2)]
-
-
-@pytest.mark.parametrize(("acc_dtype", "tol"), ACC_DTYPES)
 @pytest.mark.parametrize("with_extra", [False, True])
-def test_merge_partials_equals_one_softmax(with_extra, acc_dtype, tol):
-    gen = torch.Generator()
+def test_merge_partials_equals_one_softmax(with_extra):
+    gen = torch.Generator().manual_seed(11 + with_extra)
     rows_per_item, dim, max_splits, min_tokens = 16, 32, 4, 8
     lengths = [0, 5, 8, 29]  # item 0 has no keys at all; item 1 has one split
     num_rows = rows_per_item * len(lengths)
-    acc = torch.full((num_rows, max_splits, dim), float("nan"), dtype=acc_dtype)  # poison
+    acc = torch.full((num_rows, max_splits, dim), float("nan"), dtype=torch.float32)  # poison
     lse = torch.full((num_rows, max_splits), float("nan"), dtype=torch.float32)
     expected = torch.zeros(num_rows, dim, dtype=torch.float64)
     extra_acc = torch.randn(num_rows, dim, generator=gen, dtype=torch.float64)
@@ -119,7 +114,7 @@ def test_merge_partials_equals_one_softmax(with_extra, acc_dtype, tol):
         per = -(-length // count) if length else 0
         ranges = [(s * per, min((s + 1) * per, length)) for s in range(count)]
         part_acc, part_lse = _states_from_scores(scores, values, ranges)
-        acc[rows, :count] = part_acc.to(acc_dtype)
+        acc[rows, :count] = part_acc.float()
         lse[rows, :count] = part_lse.float()
         # oracle: one softmax over all keys (plus the extra state as a pseudo-key block)
         full_lse2 = torch.logsumexp(scores, dim=1) * LOG2E  # -inf rows when there are no keys
@@ -138,7 +133,7 @@ def test_merge_partials_equals_one_softmax(with_extra, acc_dtype, tol):
                             **(extra if with_extra else {}))
     out = out.cpu().double()
     assert not out.isnan().any()
-    torch.testing.assert_close(out, expected, rtol=tol, atol=tol)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
     if not with_extra:
         assert out[:rows_per_item].abs().max() == 0  # an item with no keys merges to the empty state
 
@@ -164,13 +159,6 @@ def test_merge_partials_writes_lse_over_many_chunks():
     torch.testing.assert_close(out_lse.cpu().double(), total, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(out.cpu().double(), torch.einsum("rs,rsd->rd", weights, acc.double()),
                                rtol=1e-5, atol=1e-5)
-
-
-def test_partials_take_only_the_dtypes_the_merge_reads():
-    with pytest.raises(ValueError, match="partial acc dtype"):
-        split_kv.alloc_partials(16, 2, 16, torch.device(DEVICE), torch.float8_e4m3fn)
-    acc, _ = split_kv.alloc_partials(16, 2, 16, torch.device(DEVICE), torch.bfloat16)
-    assert acc.dtype == torch.bfloat16 and acc.shape == (16, 2, 16)
 
 
 def test_merge_partials_rejects_bad_input():
