@@ -46,7 +46,7 @@ import triton
 
 from kernels import context_attention as ca
 from kernels import split_kv
-from kernels.paged_tiles import default_tiles
+from kernels.paged_tiles import TileConfig, default_tiles
 
 log = logging.getLogger("bench.kernel_variants")
 pa = importlib.import_module("kernels.paged_attention")  # the package exports a function of that name
@@ -67,7 +67,13 @@ CONTEXT_CASES = [
     ("fp8", 4, 256, 2048),
 ]
 # (name, cache, q_len, B, ctx, tiles or None for the default, num_splits or None for the plan)
-SHAPE_VARIANTS = []  # earlier sets are in bench/results/kernel_variants_*.json
+SHAPE_VARIANTS = [  # earlier sets are in bench/results/kernel_variants_*.json
+    # the 8k prefill in the verify tiles' 64 rows on one warpgroup: two programs per SM, whose dots and
+    # softmax need not run in step (one 256- or 128-row program per SM keeps its warpgroups in step)
+    *[(f"prefill 64 x {n}, 4 warps, {st} stages", cache, 8192, 1, 8192, TileConfig(16, 64, n, 4, st), None)
+      for cache, n, st in (("bf16", 64, 3), ("bf16", 64, 4), ("bf16", 128, 2),
+                           ("fp8", 128, 2), ("fp8", 128, 3), ("fp8", 64, 3))],
+]
 # (name, cache, NKV, B, ctx, LaunchConfig[, least keys per split]) of the context kernel, next to
 # its default
 CONTEXT_SHAPES = []
