@@ -21,9 +21,10 @@ from kernels.validation import FP8
 # Query rows (positions x group heads) per tile when the batch is mostly prefill: the tensor-core
 # tile that keeps a long chunk compute bound (256 rows x 64 keys in 3 stages: 9% faster than 128 x 128
 # for a bf16 and for an fp8 cache on an H200, bench/results/kernel_variants_2_tiles.md and
-# _3_stages.md); half of it where 32-bit operands or D > 128 would overflow shared memory, in the
-# interpreter, and over an fp8 cache (128 x 128 in 5 stages, see GPU_TILES).
+# _3_stages.md); half of it where 32-bit operands or D > 128 would overflow shared memory and in the
+# interpreter; FP8_PREFILL_ROWS over an fp8 cache (see GPU_TILES).
 PREFILL_ROWS = 256
+FP8_PREFILL_ROWS = 64
 # Mean queries per sequence above which a batch is treated as prefill-heavy.
 MAX_VERIFY_QUERIES = 16
 MAX_KEY_TILE_BYTES = 32 << 10
@@ -57,14 +58,15 @@ class TileConfig(NamedTuple):
 # H200 sweeps recorded in bench/results/paged_attention_sweep.md and kernel_variants_*.md (Qwen3-8B
 # geometry, D 128). bf16 verify tiles of at most 32 rows take 128 keys instead (q_len 8: 16% faster).
 # 32-bit operands keep at most 2 stages (shared memory).
-# An fp8 prefill takes half the rows (PREFILL_ROWS // 2) x 128 keys in 5 stages, where Triton gives
-# its V two buffers (one at 3, an offline sm_90 build): 5% faster than 256 x 64 in 3 stages
-# (1587.7 -> 1506.0 us for the 8k prefill; 256 x 64 in 5 stages 2.4%, the bf16 tile at 5 stages 0%:
-# bench/results/kernel_variants_19_prefill_stages.md). Above DOUBLE_BUFFER_MAX_HEAD_DIM it takes the
-# 16-bit prefill tile, as before.
+# An fp8 prefill takes the fp8 verify tile: FP8_PREFILL_ROWS (64) x 128 keys on one warpgroup in 2
+# stages, two programs per SM (their dots and softmax need not run in step): 4% faster than 128 x 128
+# on 8 warps in 5 stages (1514.5 -> 1450.1 us for the 8k prefill; 3 stages 1450.3; 64 keys 17%
+# slower; the same 64-row tiles 33-72% slower for a bf16 cache: kernel_variants_24_prefill_64_rows.md),
+# which was 5% faster than 256 x 64 in 3 stages (kernel_variants_19_prefill_stages.md). Above
+# DOUBLE_BUFFER_MAX_HEAD_DIM it takes the 16-bit prefill tile on half the rows, as before.
 GPU_TILES = {
     ("decode", 2): (128, 4, 3), ("verify", 2): (64, 4, 3), ("prefill", 2): (64, 8, 3),
-    ("decode", 1): (128, 4, 2), ("verify", 1): (128, 4, 2), ("prefill", 1): (128, 8, 5),
+    ("decode", 1): (128, 4, 2), ("verify", 1): (128, 4, 2), ("prefill", 1): (128, 4, 2),
 }
 
 
@@ -85,16 +87,18 @@ def choose_tiles(num_tokens: int, num_seqs: int, group: int, head_dim: int, devi
         block_q = max(triton.next_power_of_2(mean_q), 16 // group if group < 16 else 1)
     else:
         regime = "prefill"
-        half = wide_operands or head_dim > 128 or not on_gpu or cache_dtype.itemsize == 1
-        rows = PREFILL_ROWS // 2 if half else PREFILL_ROWS
+        if wide_operands or head_dim > DOUBLE_BUFFER_MAX_HEAD_DIM or not on_gpu:
+            rows = PREFILL_ROWS // 2
+        else:
+            rows = FP8_PREFILL_ROWS if cache_dtype.itemsize == 1 else PREFILL_ROWS
         block_q = max(1, rows // group)
     block_m = max(16, triton.next_power_of_2(block_q * group))
     if not on_gpu:
         # The interpreter: small key tiles so tests cross tiles and pages at tiny lengths.
         return TileConfig(block_q, block_m, 16, 4, 1)
     block_n, num_warps, num_stages = GPU_TILES[regime, min(2, cache_dtype.itemsize)]
-    if regime == "prefill" and head_dim > DOUBLE_BUFFER_MAX_HEAD_DIM:  # fp8's 128 x 128 tile: measured at
-        block_n, num_warps, num_stages = GPU_TILES["prefill", 2]  # D 128, 225 KiB of shared memory at D 256
+    if regime == "prefill" and head_dim > DOUBLE_BUFFER_MAX_HEAD_DIM:  # the fp8 tile: measured at D 128
+        block_n, num_warps, num_stages = GPU_TILES["prefill", 2]
     if regime == "verify" and cache_dtype.itemsize == 2 and block_m <= 32:
         block_n = 128
     # The sweep's tiles hold <= 32 KiB of K per stage (bf16, D 128): wider keys (fp32, D 256) get

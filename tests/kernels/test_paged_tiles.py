@@ -31,8 +31,8 @@ def test_gpu_tile_rules_follow_the_regime_and_the_operand_width():
     assert (q8_fp8.block_q, q8_fp8.block_m, q8_fp8.block_n) == (8, 32, 128)
     prefill = choose_tiles(8192, 1, 4, 128, cuda, bf16)
     assert tuple(prefill) == (64, 256, 64, 8, 3, 1)  # (q, m, n, warps, stages, key lanes)
-    prefill_fp8 = choose_tiles(8192, 1, 4, 128, cuda, fp8)  # half the rows, 128 keys, two V buffers
-    assert tuple(prefill_fp8) == (32, 128, 128, 8, 5, 1)
+    prefill_fp8 = choose_tiles(8192, 1, 4, 128, cuda, fp8)  # the fp8 verify tile: two programs per SM
+    assert tuple(prefill_fp8) == (16, 64, 128, 4, 2, 1)
     assert tuple(choose_tiles(8192, 1, 4, 256, cuda, fp8)) == (32, 128, 64, 8, 3, 1)  # D 256: shared memory
     wide = choose_tiles(8192, 1, 4, 128, cuda, fp32, fp32)  # 32-bit operands: half the rows, 2 stages
     assert (wide.block_m, wide.num_stages) == (128, 2)
