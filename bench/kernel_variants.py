@@ -68,11 +68,9 @@ CONTEXT_CASES = [
 ]
 # (name, cache, q_len, B, ctx, tiles or None for the default, num_splits or None for the plan)
 SHAPE_VARIANTS = [  # earlier sets are in bench/results/kernel_variants_*.json
-    # the 8k prefill in the verify tiles' 64 rows on one warpgroup: two programs per SM, whose dots and
-    # softmax need not run in step (one 256- or 128-row program per SM keeps its warpgroups in step)
-    *[(f"prefill 64 x {n}, 4 warps, {st} stages", cache, 8192, 1, 8192, TileConfig(16, 64, n, 4, st), None)
-      for cache, n, st in (("bf16", 64, 3), ("bf16", 64, 4), ("bf16", 128, 2),
-                           ("fp8", 128, 2), ("fp8", 128, 3), ("fp8", 64, 3))],
+    # the fp8 prefill's previous tile (128 x 128 on 8 warps, 5 stages) next to the 64-row default, twice
+    *[(f"fp8 prefill, previous tile ({i})", "fp8", 8192, 1, 8192, TileConfig(32, 128, 128, 8, 5), None)
+      for i in (1, 2)],
 ]
 # (name, cache, NKV, B, ctx, LaunchConfig[, least keys per split]) of the context kernel, next to
 # its default
