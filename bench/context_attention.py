@@ -11,7 +11,8 @@ that new batch sizes do not recompile, and a small tile sweep.
 
     PYTHONPATH=. python bench/context_attention.py --out DIR [--budget-s 330] [--commit HASH]
 
-Writes DIR/context_attention.{json,md,png}; progress goes to the log.
+Writes DIR/context_attention.{json,md,png} (the report: context_attention_report.py); progress
+goes to the log.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from context_attention_report import markdown, plot  # bench/ is sys.path[0]
 
 import kernels
 from kernels import context_attention as ca
@@ -39,6 +41,7 @@ NUM_Q, GROUP, HEAD_DIM, TPB = 16, 4, 128, 32
 BATCHES, CONTEXTS, KV_HEADS, DTYPES = (1, 4, 16, 64, 256), (2048, 8192, 32768), (4, 8), ("bf16", "fp8")
 ROTATE_BYTES, MAX_SETS = 256 << 20, 64
 K_SCALE, V_SCALE = 0.5, 2.0
+GEOMETRY = dict(num_q=NUM_Q, group=GROUP, head_dim=HEAD_DIM, tpb=TPB)  # for the report
 # (batch, dtype, path) -> tile configs tried at ctx 8192, NKV 4; the first of each is the default
 TUNE_CONFIGS = {
     "single bf16": [ca.LaunchConfig(64, 4, 5), ca.LaunchConfig(64, 4, 3), ca.LaunchConfig(128, 4, 3)],
@@ -279,87 +282,6 @@ def tune(device, gen, deadline):
     return rows
 
 
-def fmt(value, spec=".1f"):
-    return "n/a" if value is None else format(value, spec)
-
-
-def markdown(result) -> str:
-    env, copy_gbps = result["env"], result["copy_bw"] / 1e9
-    lines = [
-        "# paged_context_attention on " + env["device"],
-        "",
-        f"Commit {env['commit']}, {env['date']}, torch {env['torch']}, triton {env['triton']}. "
-        f"Command: `{env['command']}`.",
-        f"Copy bandwidth measured in this run (read + write): **{copy_gbps:.0f} GB/s**. "
-        f"D {HEAD_DIM}, Q {NUM_Q}, group {GROUP}, {TPB}-token pages scattered in a pool arena; "
-        "times in us per call under CUDA graphs (median of replays, inputs rotated past L2). "
-        "SDPA runs over a dense bf16 buffer also for fp8 rows (no fp8 SDPA).",
-        "",
-        "| dtype | NKV | B | ctx | grid splits | ours us | GB/s | % copy | single pass us | SDPA dense us "
-        "| floor us | SDPA / ours |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in result["sweep"]:
-        if "skipped" in r:
-            lines.append(f"| {r['dtype']} | {r['nkv']} | {r['batch']} | {r['ctx']} | "
-                         f"skipped ({r['skipped']}) | | | | | | | |")
-            continue
-        ratio = None if r["sdpa_us"] is None else r["sdpa_us"] / r["ours_us"]
-        lines.append(
-            f"| {r['dtype']} | {r['nkv']} | {r['batch']} | {r['ctx']} | {r['grid_splits']} | "
-            f"{fmt(r['ours_us'])} | {fmt(r['ours_gbps'], '.0f')} | {fmt(r['ours_pct_copy'], '.0f')} | "
-            f"{fmt(r['single_pass_us'])} | {fmt(r['sdpa_us'])} | {fmt(r['floor_us'])} | "
-            f"{fmt(ratio, '.2f')} |")
-    lines += ["", "## Graph safety (captured once, replayed at other lengths, vs the torch reference)", "",
-              "| B | dtype | lens (first 4) | rel err | NaN |", "|---|---|---|---|---|"]
-    lines += [f"| {g['batch']} | {g['dtype']} | {g['lens_head']} | {g['rel_err']:.2e} | {g['nan']} |"
-              for g in result["graph_safety"]]
-    lines += ["", f"Compiled variants after batch sizes 1, 2, 3, 5, 8, 13, 24: {result['recompile_counts']} "
-              "(constant = no recompiles).", "",
-              f"Ours vs SDPA over the same context gathered densely (B 2, ctx 2048): rel err "
-              f"{result['sdpa_rel_err']:.2e}.", "",
-              "## Tile sweep (ctx 8192, NKV 4; the first row of each path is the default)", "",
-              "| B | dtype | path | block_n / warps / stages / merge chunk | us | GB/s |",
-              "|---|---|---|---|---|---|"]
-    for t in result["tune"]:
-        cfg = t.get("config")
-        cfg_text = ("default" if cfg is None else f"{cfg['block_n']} / {cfg['num_warps']} / "
-                    f"{cfg['num_stages']} / chunk {cfg['merge_chunk']}")
-        lines.append(f"| {t['batch']} | {t['dtype']} | {t['path']} | {cfg_text} | {t['us']:.1f} | "
-                     f"{t['gbps']:.0f} |")
-    return "\n".join(lines) + "\n"
-
-
-def plot(result, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(2, 2, figsize=(12, 9), sharex=True)
-    colors = dict(zip(CONTEXTS, ("tab:blue", "tab:orange", "tab:green")))
-    for ax, (dtype_name, nkv) in zip(axes.flat, [(d, n) for d in DTYPES for n in KV_HEADS]):
-        for ctx in CONTEXTS:
-            rows = [r for r in result["sweep"] if "skipped" not in r and r["dtype"] == dtype_name
-                    and r["nkv"] == nkv and r["ctx"] == ctx]
-            if not rows:
-                continue
-            batches = [r["batch"] for r in rows]
-            ax.plot(batches, [r["ours_us"] for r in rows], "o-", color=colors[ctx], label=f"ours ctx {ctx}")
-            ax.plot(batches, [r["sdpa_us"] or float("nan") for r in rows], "s--", color=colors[ctx],
-                    alpha=0.6, label=f"SDPA dense ctx {ctx}")
-            ax.plot(batches, [r["floor_us"] for r in rows], ":", color=colors[ctx], alpha=0.8,
-                    label=f"bytes floor ctx {ctx}")
-        ax.set(xscale="log", yscale="log", title=f"{dtype_name} context, NKV {nkv}", xlabel="batch B",
-               ylabel="us per call (CUDA graph)")
-        ax.grid(True, which="both", alpha=0.3)
-    axes.flat[0].legend(fontsize=7)
-    fig.suptitle(f"paged_context_attention, D {HEAD_DIM}, Q {NUM_Q}, group {GROUP}, "
-                 f"on {result['env']['device']}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-
-
 def environment(device, args) -> dict:
     import triton
 
@@ -392,9 +314,10 @@ def main() -> None:
     (args.out / "context_attention.json").write_text(json.dumps(result, indent=1))
     result["tune"] = tune(device, gen, Deadline(max(20.0, deadline.end - time.monotonic() + 40)))
     (args.out / "context_attention.json").write_text(json.dumps(result, indent=1))
-    (args.out / "context_attention.md").write_text(markdown(result))
-    plot(result, args.out / "context_attention.png")
-    print(markdown(result))
+    report = markdown(result, GEOMETRY)
+    (args.out / "context_attention.md").write_text(report)
+    plot(result, args.out / "context_attention.png", GEOMETRY)
+    print(report)
 
 
 if __name__ == "__main__":
