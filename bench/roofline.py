@@ -34,11 +34,12 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from context_attention import GEOMETRY as CONTEXT_GEOMETRY  # bench/ is sys.path[0]
+
 SM_CLOCK_HZ = 1.98e9
 SLOW_PIPE_PER_CLOCK = 16  # MUFU.EX2 and F2FP instructions per clock per SM (sm_90)
 VALUES_PER_CONVERSION = 2  # F2FP converts a pair
-PAGED_GEOMETRY = dict(heads=32, kv_heads=8, head_dim=128)  # bench/paged_attention.py's FULL
-CONTEXT_GEOMETRY = dict(q=16, group=4, head_dim=128)  # bench/context_attention.py
+H200_SMS = 132  # the paged results do not record the SM count
 FP8_SCORE_DOT_MIN_ROWS = 64  # tiles of >= 64 rows over fp8 dot q's two e4m3 terms (kernels.operands)
 
 
@@ -91,8 +92,9 @@ def estimate(work: Work, copy_bytes_per_s: float, matmul_flop_per_s: float, sms:
                     work.exps / slow_pipe, work.conversions / slow_pipe)
 
 
-def paged_work(case: dict, geometry: dict = PAGED_GEOMETRY) -> Work:
-    """Tiles of `case["tiles"]` over a batch of equal sequences (seq_len = ctx, q_len queries each)."""
+def paged_work(case: dict, geometry: dict) -> Work:
+    """Tiles of `case["tiles"]` over a batch of equal sequences (seq_len = ctx, q_len queries each);
+    `geometry`: the paged run's (its JSON's meta)."""
     tiles, ctx, q_len = case["tiles"], case["ctx"], case["q_len"]
     block_q, block_n = tiles["block_q"], tiles["block_n"]
     keys = 0.0
@@ -106,8 +108,8 @@ def paged_work(case: dict, geometry: dict = PAGED_GEOMETRY) -> Work:
 
 def context_work(row: dict, geometry: dict = CONTEXT_GEOMETRY) -> Work:
     """Q x group rows per (request, KV head) over the context and the Q noise keys (64-key tiles)."""
-    rows = max(16, geometry["q"] * geometry["group"])
-    keys = math.ceil(row["ctx"] / 64) * 64 + geometry["q"]
+    rows = max(16, geometry["num_q"] * geometry["group"])
+    keys = math.ceil(row["ctx"] / 64) * 64 + geometry["num_q"]
     return Work.attention(row["batch"] * row["nkv"], rows, keys, geometry["head_dim"], row["dtype"] == "fp8",
                           row["kv_bytes"])
 
@@ -120,14 +122,15 @@ def paged_rows(paged: dict) -> list[tuple[str, float, Estimate, bool]]:
         prefill = case["q_len"] > 16
         if not prefill and case["batch"] < 32:
             continue
-        est = estimate(paged_work(case), ceilings["copy_bytes_per_s"], ceilings["matmul_flop_per_s"], 132)
+        est = estimate(paged_work(case, paged["meta"]["geometry"]), ceilings["copy_bytes_per_s"],
+                       ceilings["matmul_flop_per_s"], H200_SMS)
         name = f"paged {case['dtype']} q{case['q_len']} B{case['batch']} ctx{case['ctx']}"
         rows.append((name, case["seconds"], est, prefill))
     return rows
 
 
 def context_rows(context: dict, matmul_flop_per_s: float) -> list[tuple[str, float, Estimate, bool]]:
-    sms = context["env"].get("sms", 132)
+    sms = context["env"].get("sms", H200_SMS)
     rows = []
     for row in context["sweep"]:
         if row["batch"] < 64:

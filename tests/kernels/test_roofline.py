@@ -9,8 +9,11 @@ from pathlib import Path
 
 import pytest
 
-_PATH = Path(__file__).resolve().parents[2] / "bench" / "roofline.py"
-_SPEC = importlib.util.spec_from_file_location("bench_roofline", _PATH)
+QWEN3_8B = dict(heads=32, kv_heads=8, head_dim=128)  # the paged bench's geometry
+
+_BENCH = Path(__file__).resolve().parents[2] / "bench"
+sys.path.append(str(_BENCH))  # roofline takes the context bench's geometry
+_SPEC = importlib.util.spec_from_file_location("bench_roofline", _BENCH / "roofline.py")
 roofline = importlib.util.module_from_spec(_SPEC)
 sys.modules[_SPEC.name] = roofline  # dataclasses look their module up
 _SPEC.loader.exec_module(roofline)
@@ -21,7 +24,7 @@ def test_fp8_verify_tile_counts_by_hand():
     # score dots (so only V is widened), P packed to fp16
     case = dict(dtype="fp8", batch=32, ctx=8192, q_len=16, bytes=1.0,
                 tiles=dict(block_q=16, block_m=64, block_n=128))
-    work = roofline.paged_work(case)
+    work = roofline.paged_work(case, QWEN3_8B)
     pairs = 256 * 64 * 8192
     assert work.exps == pairs
     assert work.dot_flops == 4 * pairs * 128
@@ -32,7 +35,7 @@ def test_bf16_decode_widens_nothing_and_pads_rows():
     # 4 query heads per KV head padded to a 16-row tile; 2000 keys round up to 16 tiles of 128
     case = dict(dtype="bf16", batch=3, ctx=2000, q_len=1, bytes=1.0,
                 tiles=dict(block_q=4, block_m=16, block_n=128))
-    work = roofline.paged_work(case)
+    work = roofline.paged_work(case, QWEN3_8B)
     pairs = 3 * 8 * 16 * 2048
     assert (work.exps, work.conversions) == (pairs, pairs / 2)
 
@@ -46,7 +49,7 @@ def test_causal_prefill_counts_whole_key_tiles_up_to_each_tiles_last_query():
     for first in range(0, q_len, block_q):
         last_query_position = cached + min(first + block_q, q_len) - 1
         by_hand += -(-(last_query_position + 1) // block_n) * block_n
-    assert roofline.paged_work(case).exps == 8 * block_q * 4 * by_hand
+    assert roofline.paged_work(case, QWEN3_8B).exps == 8 * block_q * 4 * by_hand
 
 
 def test_estimates_combine_the_parts():
