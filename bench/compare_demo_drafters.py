@@ -15,8 +15,8 @@ import torch
 
 from target_service.checkpoint import open_target_checkpoint
 from target_service.demo import demo_target_path
-from target_service.training.corpus import held_out_prompts, load_documents, split_documents
-from target_service.training.evaluate import evaluate_pair
+from training.corpus import held_out_prompts, load_documents, split_documents
+from training.evaluate import evaluate_pair
 
 
 def main() -> None:

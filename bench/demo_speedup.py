@@ -3,7 +3,7 @@
     python bench/demo_speedup.py [--target DIR --drafter DIR] [--prompts 32 --timing-prompts 8]
                                  [--max-tokens 128] [--device cpu] [--dtype float32] [--name speedup_cpu]
 
-Greedy, K = block_size - 1, through the real engine (target_service.training.evaluate): DFlash,
+Greedy, K = block_size - 1, through the real engine (training.evaluate): DFlash,
 prompt lookup and plain decoding on the same held-out prompts of this Python's standard library
 (or of `--corpus`: the split hashes paths relative to each root, so a copy of the library splits alike).
 Writes bench/results/<name>.json, .md and .png (acceptance per draft position, tokens/s).
@@ -23,8 +23,8 @@ import torch
 from drafter_service.checkpoint import open_drafter_checkpoint
 from target_service.checkpoint import open_target_checkpoint
 from target_service.demo import demo_drafter_path, demo_target_path
-from target_service.training.corpus import held_out_prompts, load_documents, split_documents
-from target_service.training.evaluate import evaluate_pair
+from training.corpus import held_out_prompts, load_documents, split_documents
+from training.evaluate import evaluate_pair
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from target_service.cli import main as dflash
+from dflash_cli.main import main as dflash
 
 logger = logging.getLogger("train_demo")
 

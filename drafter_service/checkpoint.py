@@ -12,25 +12,16 @@ from pathlib import Path
 import torch
 
 from drafter_service.model import DFlashDrafter, drafter_weight_layout
-from drafter_service.weights import TensorIndex, check_tensors, load_weights, resolve_dtype
-from kernels.layers import rope_frequencies
-from kvpool_service.checkpoint_config import (
+from foundation.checkpoint_config import (
     ConfigError,
     DrafterConfig,
     TargetConfig,
     check_drafter_fits,
+    check_rope,
     config_path,
     load_drafter_config,
 )
-
-
-def check_rope(config, path: str | Path) -> None:
-    """Raise ConfigError if the config's rope_theta / rope_scaling cannot be built (any model)."""
-    try:
-        rope_frequencies(config.head_dim, config.rope_theta, config.rope_scaling,
-                         config.max_position_embeddings)
-    except ValueError as error:
-        raise ConfigError(f"{config_path(path)}: {error}") from None
+from foundation.weights import TensorIndex, check_tensors, load_weights, resolve_dtype
 
 
 def open_drafter_checkpoint(path: str | Path, target: TargetConfig | None = None) -> tuple[DrafterConfig,

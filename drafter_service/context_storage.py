@@ -11,14 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from kernels import PAD_SLOT
 from kvpool_service.spec import LayerGroup
-
-PAD_SLOT = -1
-
-
-def as_cache_tuples(layers) -> list[tuple]:
-    """(k_cache, v_cache, k_scale, v_scale) per layer from `kvpool_service.memory.LayerKV` views."""
-    return [(layer.k_cache, layer.v_cache, layer.k_scale, layer.v_scale) for layer in layers]
 
 
 class PagedContext:
@@ -27,7 +21,7 @@ class PagedContext:
     kind = "paged"
 
     def __init__(self, layers):
-        self.caches = as_cache_tuples(layers)
+        self.caches = list(layers)
 
     def slot_mapping(self, seq_slots: torch.Tensor, positions: torch.Tensor,
                      target_slots: torch.Tensor) -> torch.Tensor:

@@ -9,19 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-ANY_INT = (torch.int32, torch.int64)
-KERNEL_INT = (torch.int32,)  # what the attention kernels read
-
-
-def check_int_tensor(owner: str, name: str, tensor, dim: int, dtypes=ANY_INT) -> None:
-    """Step metadata is plain integer tensors: `owner.name` must be a `dim`-d tensor of `dtypes`."""
-    if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"{owner}.{name} must be a torch.Tensor, got {type(tensor).__name__}")
-    if tensor.dim() != dim or tensor.dtype not in dtypes:
-        allowed = "/".join(str(dtype).removeprefix("torch.") for dtype in dtypes)
-        raise ValueError(
-            f"{owner}.{name} must be a {dim}-d {allowed} tensor, got {tensor.dim()}-d {tensor.dtype}"
-        )
+from foundation.tensor_checks import ANY_INT, KERNEL_INT, check_int_tensor
 
 
 @dataclass(frozen=True)

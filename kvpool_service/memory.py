@@ -15,8 +15,8 @@ aligned segments, so one handle shares everything:
   epoch on close, so an attached process can notice (`check_epoch`) that its pool is gone.
 
 The owner (`PoolMemory.create`) allocates and removes; attached processes (`PoolMemory.attach`) only
-map. See `kvpool_service.shm` for what happens to the /dev/shm file when the owner is killed, and
-`kvpool_service.cuda_ipc` for the CUDA lifetime rules.
+map. See `foundation.shm` for what happens to the /dev/shm file when the owner is killed, and
+`foundation.cuda_ipc` for the CUDA lifetime rules.
 """
 
 from __future__ import annotations
@@ -31,9 +31,10 @@ from pathlib import Path
 
 import torch
 
-from kvpool_service.cuda_ipc import CudaIpcHandle, attach_buffer, export_buffer
+from foundation.cuda_ipc import CudaIpcHandle, attach_buffer, export_buffer
+from foundation.layer_cache import LayerCache
+from foundation.shm import SHM_DIR, OwnedFile, map_file, pool_file_name, sweep_stale_files
 from kvpool_service.errors import StaleEpoch
-from kvpool_service.shm import SHM_DIR, OwnedFile, map_file, pool_file_name, sweep_stale_files
 from kvpool_service.spec import LayerGroup, PoolLayout
 
 logger = logging.getLogger(__name__)
@@ -105,20 +106,6 @@ class PoolHandle:
     def __post_init__(self):
         if (self.shm_path is None) == (self.cuda is None):
             raise ValueError("a PoolHandle carries exactly one of shm_path (CPU) and cuda (GPU)")
-
-
-@dataclass(frozen=True)
-class LayerKV:
-    """The paged K/V of one layer: views into its group's arena (writes land in the pool)."""
-
-    k_cache: torch.Tensor  # [num_blocks, tokens_per_block, H, D], strided
-    v_cache: torch.Tensor  # [num_blocks, tokens_per_block, H, D], strided
-    k_scale: torch.Tensor | None = None  # fp32 0-d view, fp8 groups only
-    v_scale: torch.Tensor | None = None
-
-    def __repr__(self) -> str:
-        scaled = ", with scales" if self.k_scale is not None else ""
-        return f"LayerKV({list(self.k_cache.shape)}, {self.k_cache.dtype}{scaled})"
 
 
 class PoolMemory:
@@ -225,18 +212,18 @@ class PoolMemory:
             raise ValueError(f"layer group {group!r} is {spec.dtype}; only fp8 groups carry scales")
         return self._tensors[f"{spec.name}.scales"]
 
-    def layer(self, group: str, index: int) -> LayerKV:
+    def layer(self, group: str, index: int) -> LayerCache:
         """K/V views (and scales, for fp8) of layer `index` of `group`."""
         spec = self._group(group)
         if not 0 <= index < spec.num_layers:
             raise IndexError(f"layer {index} is out of range for group {group!r} of {spec.num_layers} layers")
         arena = self.arena(group)
         if not spec.is_fp8:
-            return LayerKV(arena[:, index, 0], arena[:, index, 1])
+            return LayerCache(arena[:, index, 0], arena[:, index, 1])
         scales = self.scales(group)
-        return LayerKV(arena[:, index, 0], arena[:, index, 1], scales[index, 0], scales[index, 1])
+        return LayerCache(arena[:, index, 0], arena[:, index, 1], scales[index, 0], scales[index, 1])
 
-    def layers(self, group: str) -> list[LayerKV]:
+    def layers(self, group: str) -> list[LayerCache]:
         return [self.layer(group, i) for i in range(self._group(group).num_layers)]
 
     def check_epoch(self) -> None:

@@ -12,7 +12,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, field_validator
 
-from kvpool_service.checkpoint_config import DrafterConfig, TargetConfig, check_drafter_fits
+from foundation.checkpoint_config import DrafterConfig, TargetConfig, check_drafter_fits
 
 DTYPE_ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1}
 CONTEXT_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp8": "float8_e4m3fn"}

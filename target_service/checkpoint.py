@@ -19,9 +19,8 @@ import torch
 from pydantic import BaseModel, ConfigDict, ValidationError
 from tokenizers import Tokenizer
 
-from drafter_service.checkpoint import check_rope
-from drafter_service.weights import CheckpointError, TensorIndex, check_tensors, load_weights, resolve_dtype
-from kvpool_service.checkpoint_config import ConfigError, TargetConfig, load_target_config
+from foundation.checkpoint_config import ConfigError, TargetConfig, check_rope, load_target_config
+from foundation.weights import CheckpointError, TensorIndex, check_tensors, load_weights, resolve_dtype
 from target_service.model import TargetModel, target_weight_layout
 
 logger = logging.getLogger(__name__)

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from target_service.forward_batch import PAD_SLOT, SeqChunk, pack
+from kernels import PAD_SLOT
+from target_service.forward_batch import SeqChunk, pack
 from target_service.outputs import SpecDecodeStats
 from target_service.sampling import accept_drafts, choose_tokens
 from target_service.sampling_params import SamplingParams

@@ -14,10 +14,10 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from drafter_service.checkpoint import load_drafter
-from drafter_service.context_storage import DenseContext, PagedContext, as_cache_tuples
+from drafter_service.context_storage import DenseContext, PagedContext
 from drafter_service.drafter import DraftWorker
+from foundation.byte_size import format_bytes, parse_byte_size
 from kvpool_service.blocks import BlockManager
-from kvpool_service.byte_size import format_bytes, parse_byte_size
 from kvpool_service.memory import PoolMemory
 from kvpool_service.spec import PoolLayout, PoolSpec
 from target_service.checkpoint import load_target, open_target_checkpoint
@@ -126,7 +126,7 @@ def build_engine(args: EngineArgs) -> tuple[LLMEngine, object, PoolMemory]:
                           max_num_batched_tokens=args.max_num_batched_tokens,
                           num_speculative_tokens=num_draft)
     stop_checker = StopChecker(checkpoint.eos_token_ids, checkpoint.tokenizer)
-    engine = LLMEngine(target, as_cache_tuples(memory.layers("target")), scheduler,
+    engine = LLMEngine(target, memory.layers("target"), scheduler,
                        tokens_per_block=spec.tokens_per_block, num_blocks=num_blocks, drafter=worker,
                        stop_checker=stop_checker, seed=args.seed)
     return engine, checkpoint.tokenizer, memory

@@ -12,9 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from drafter_service.draft_batch import ANY_INT, KERNEL_INT, check_int_tensor
-
-PAD_SLOT = -1
+from foundation.tensor_checks import ANY_INT, KERNEL_INT, check_int_tensor
 
 
 def _check_int(name: str, tensor, dim: int, dtypes=ANY_INT) -> None:

@@ -19,10 +19,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from drafter_service.weights import WeightSlot, empty_param
+from foundation.checkpoint_config import TargetConfig
+from foundation.layer_cache import LayerCache, as_layer_caches
+from foundation.weights import WeightSlot, empty_param
 from kernels import paged_attention, store_kv
-from kernels.layers import LayerCache, RotaryEmbedding, apply_rope, as_layer_caches, rms_norm, swiglu
-from kvpool_service.checkpoint_config import TargetConfig
+from kernels.layers import RotaryEmbedding, apply_rope, rms_norm, swiglu
 from target_service.forward_batch import ForwardBatch
 
 QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM",)

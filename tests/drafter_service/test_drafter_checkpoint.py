@@ -8,8 +8,8 @@ from safetensors.torch import load_file, save_file
 
 import drafter_service.checkpoint as checkpoint_module
 from drafter_service.checkpoint import load_drafter
-from drafter_service.weights import CheckpointError
-from kvpool_service.checkpoint_config import ConfigError, load_target_config
+from foundation.checkpoint_config import ConfigError, load_target_config
+from foundation.weights import CheckpointError
 from tests.tiny_checkpoints import write_drafter_checkpoint, write_target_checkpoint
 
 

@@ -1,11 +1,10 @@
 """RMSNorm, RoPE (incl. rope_scaling) and SwiGLU against float64 formulas and HF's frequency code."""
 
-import math
 
 import pytest
 import torch
 
-from kernels.layers import RotaryEmbedding, apply_rope, as_layer_caches, rms_norm, rope_frequencies, swiglu
+from kernels.layers import RotaryEmbedding, apply_rope, rms_norm, rope_frequencies, swiglu
 
 
 @pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-6), (torch.bfloat16, 2e-2)])
@@ -115,15 +114,3 @@ def test_swiglu_matches_separate_gate_and_up_projections():
     g = x @ gate.T
     expected = (g / (1 + torch.exp(-g)) * (x @ up.T)) @ down.T
     torch.testing.assert_close(swiglu(x, torch.cat([gate, up]), down), expected)
-
-
-def test_layer_caches_are_checked_against_the_model_geometry():
-    arena = torch.zeros(3, 2, 2, 16, 2, 16)  # [blocks, layers, K/V, tokens_per_block, heads, D]
-    views = [(arena[:, i, 0], arena[:, i, 1]) for i in range(2)]
-    caches = as_layer_caches(views, num_layers=2, num_kv_heads=2, head_dim=16)
-    assert caches[1].k_cache.data_ptr() == arena[:, 1, 0].data_ptr() and caches[1].k_scale is None
-    with pytest.raises(ValueError, match="kv_caches has 2 entries, the model has 3 layers"):
-        as_layer_caches(views, num_layers=3, num_kv_heads=2, head_dim=16)
-    with pytest.raises(ValueError, match=r"kv_caches\[0\]\.k_cache has shape \(3, 16, 2, 16\)"):
-        as_layer_caches(views, num_layers=2, num_kv_heads=4, head_dim=16)
-    assert math.isclose(as_layer_caches([(*views[0], 0.5, 2.0)], 1, 2, 16)[0].v_scale, 2.0)

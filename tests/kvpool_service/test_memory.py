@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvpool_service import cuda_ipc, shm
+from foundation import cuda_ipc, shm
 from kvpool_service.memory import (
     HEADER_BYTES,
     PoolAttachError,

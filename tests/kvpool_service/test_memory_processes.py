@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from foundation.shm import sweep_stale_files
 from kvpool_service.memory import PoolMemory, StaleEpochError
-from kvpool_service.shm import sweep_stale_files
 from kvpool_service.spec import LayerGroup, PoolLayout, PoolSpec
 
 SPAWN = multiprocessing.get_context("spawn")

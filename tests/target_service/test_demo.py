@@ -5,8 +5,8 @@ import json
 import pytest
 import torch
 
+from dflash_cli.main import main
 from target_service import demo
-from target_service.cli import main
 from target_service.llm import LLM
 from target_service.sampling_params import SamplingParams
 

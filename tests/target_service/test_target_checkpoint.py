@@ -8,8 +8,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import target_service.checkpoint as checkpoint_module
-from drafter_service.weights import CheckpointError
-from kvpool_service.checkpoint_config import ConfigError
+from foundation.checkpoint_config import ConfigError
+from foundation.weights import CheckpointError
 from target_service.checkpoint import load_target, open_target_checkpoint
 from tests.tiny_checkpoints import write_target_checkpoint
 
@@ -71,12 +71,12 @@ def test_eos_ids_come_from_generation_config_then_config(tmp_path, generation_eo
 
 def test_loading_progress_is_logged_and_can_be_switched_off(tmp_path, caplog):
     directory = write_target_checkpoint(tmp_path, "qwen3")
-    with caplog.at_level(logging.INFO, logger="drafter_service.weights"):
+    with caplog.at_level(logging.INFO, logger="foundation.weights"):
         load_target(directory, dtype="float32")
     percents = [r.getMessage() for r in caplog.records if "%" in r.getMessage()]
     assert percents and percents[-1].endswith("100% (47/47 tensors)")
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="drafter_service.weights"):
+    with caplog.at_level(logging.INFO, logger="foundation.weights"):
         load_target(directory, dtype="float32", progress=False)
     assert not [r for r in caplog.records if "%" in r.getMessage()]
 

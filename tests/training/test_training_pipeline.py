@@ -13,17 +13,17 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from dflash_cli.main import main
 from drafter_service.checkpoint import load_drafter
-from drafter_service.weights import TensorIndex
+from foundation.weights import TensorIndex
 from target_service.checkpoint import load_target
-from target_service.cli import main
-from target_service.training.corpus import Document, is_held_out, split_documents
-from target_service.training.evaluate import is_table_like
-from target_service.training.export import save_sharded
-from target_service.training.prompt_lookup import lookup
-from target_service.training.state import ResumeError, checkpoint_path
-from target_service.training.train_drafter import parse_taps
-from target_service.training.train_target import TrainTargetArgs, train_target
+from training.corpus import Document, is_held_out, split_documents
+from training.evaluate import is_table_like
+from training.export import save_sharded
+from training.prompt_lookup import lookup
+from training.state import ResumeError, checkpoint_path
+from training.train_drafter import parse_taps
+from training.train_target import TrainTargetArgs, train_target
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 # json/scanner.py and colorsys.py are the held-out side of a 40% split

@@ -6,8 +6,8 @@ import argparse
 import json
 import typing
 
-from target_service.training.train_drafter import TrainDrafterArgs, train_drafter
-from target_service.training.train_target import TrainTargetArgs, train_target
+from training.train_drafter import TrainDrafterArgs, train_drafter
+from training.train_target import TrainTargetArgs, train_target
 
 
 def _flags(parser: argparse.ArgumentParser, model, skip: tuple[str, ...] = ()) -> None:

@@ -12,10 +12,10 @@ import asyncio
 import logging
 import signal
 
-from kvpool_service.byte_size import format_bytes, parse_byte_size
-from kvpool_service.checkpoint_config import load_drafter_config, load_target_config
+from dflash_cli.main import CliError
+from foundation.byte_size import format_bytes, parse_byte_size
+from foundation.checkpoint_config import load_drafter_config, load_target_config
 from kvpool_service.spec import CONTEXT_DTYPES, PoolLayout, PoolSpec
-from target_service.cli import CliError
 
 logger = logging.getLogger(__name__)
 

@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from foundation.checkpoint_config import TargetConfig
 from kernels.layers import RotaryEmbedding, apply_rope, rms_norm, swiglu
-from kvpool_service.checkpoint_config import TargetConfig
 
 
 class RMSNorm(nn.Module):

@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from kvpool_service.byte_size import format_bytes, parse_byte_size
+from foundation.byte_size import format_bytes, parse_byte_size
 
 
 @pytest.mark.parametrize(

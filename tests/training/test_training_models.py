@@ -16,14 +16,14 @@ from tiny_checkpoints import write_target_checkpoint
 
 from drafter_service.checkpoint import load_drafter
 from drafter_service.draft_batch import DraftBatch
-from kvpool_service.checkpoint_config import DrafterConfig, TargetConfig, load_target_config
+from foundation.checkpoint_config import DrafterConfig, TargetConfig, load_target_config
 from target_service.model import target_weight_layout
-from target_service.training.anchors import build_blocks, sample_anchors, weighted_block_loss
-from target_service.training.dense_drafter import DenseDFlashDrafter
-from target_service.training.dense_target import DenseQwen3, causal_lm_loss
-from target_service.training.export import drafter_config_json, export_drafter, target_config_json
-from target_service.training.optim import make_optimizer
-from target_service.training.train_drafter import load_frozen_target
+from training.anchors import build_blocks, sample_anchors, weighted_block_loss
+from training.dense_drafter import DenseDFlashDrafter
+from training.dense_target import DenseQwen3, causal_lm_loss
+from training.export import drafter_config_json, export_drafter, target_config_json
+from training.optim import make_optimizer
+from training.train_drafter import load_frozen_target
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

@@ -6,7 +6,7 @@ import argparse
 import json
 import time
 
-from target_service.cli import CliError
+from dflash_cli.main import CliError
 from target_service.llm import LLM
 from target_service.sampling_params import SamplingParams
 

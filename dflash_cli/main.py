@@ -14,11 +14,11 @@ import sys
 from pydantic import ValidationError
 
 SUBCOMMAND_MODULES = (
-    "target_service.cli_plan",
-    "target_service.cli_generate",
-    "target_service.cli_kvpool",
-    "target_service.cli_admin",
-    "target_service.cli_train",
+    "dflash_cli.plan",
+    "dflash_cli.generate",
+    "dflash_cli.kvpool",
+    "dflash_cli.admin",
+    "dflash_cli.train",
 )
 USAGE_ERROR = 2
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from kvpool_service.byte_size import format_bytes, parse_byte_size
-from kvpool_service.checkpoint_config import load_drafter_config, load_target_config
+from foundation.byte_size import format_bytes, parse_byte_size
+from foundation.checkpoint_config import load_drafter_config, load_target_config
 from kvpool_service.spec import CONTEXT_DTYPES, PoolPlan, PoolSpec, plan_pool
 
 

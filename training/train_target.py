@@ -18,10 +18,10 @@ import torch
 from pydantic import Field, model_validator
 from tokenizers import Tokenizer
 
-from kvpool_service.byte_size import parse_byte_size
-from kvpool_service.checkpoint_config import TargetConfig
+from foundation.byte_size import parse_byte_size
+from foundation.checkpoint_config import TargetConfig
 from target_service.engine_builder import resolve_device
-from target_service.training.corpus import (
+from training.corpus import (
     encode_documents,
     load_documents,
     sample_windows,
@@ -30,11 +30,11 @@ from target_service.training.corpus import (
     token_stream,
     train_tokenizer,
 )
-from target_service.training.dense_target import DenseQwen3, causal_lm_loss
-from target_service.training.export import export_target, target_config_json
-from target_service.training.loop import LoopSettings, autocast, train_loop
-from target_service.training.optim import make_optimizer
-from target_service.training.run_args import TrainRunArgs
+from training.dense_target import DenseQwen3, causal_lm_loss
+from training.export import export_target, target_config_json
+from training.loop import LoopSettings, autocast, train_loop
+from training.optim import make_optimizer
+from training.run_args import TrainRunArgs
 
 logger = logging.getLogger(__name__)
 

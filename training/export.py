@@ -15,8 +15,8 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer
 
-from drafter_service.weights import INDEX_FILE, SINGLE_FILE
-from kvpool_service.checkpoint_config import load_drafter_config, load_target_config
+from foundation.checkpoint_config import load_drafter_config, load_target_config
+from foundation.weights import INDEX_FILE, SINGLE_FILE
 
 logger = logging.getLogger(__name__)
 

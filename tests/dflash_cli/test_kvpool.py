@@ -12,13 +12,13 @@ from pathlib import Path
 
 import pytest
 
-import target_service.cli as cli
+import dflash_cli.main as cli
 
 ROOT = Path(__file__).resolve().parents[2]
 TARGET, DRAFTER = ROOT / "examples" / "qwen3-8b", ROOT / "examples" / "qwen3-8b-dflash-b16"
-MODULES = ("target_service.cli_kvpool", "target_service.cli_admin")
+MODULES = ("dflash_cli.kvpool", "dflash_cli.admin")
 # The dispatcher with these subcommands, whether or not cli.py lists them yet.
-RUNNER = ("import sys, target_service.cli as cli; "
+RUNNER = ("import sys, dflash_cli.main as cli; "
           f"cli.SUBCOMMAND_MODULES = tuple(dict.fromkeys(cli.SUBCOMMAND_MODULES + {MODULES!r})); "
           "sys.exit(cli.main(sys.argv[1:]))")
 

@@ -230,3 +230,14 @@ def load_target_config(path: str | Path) -> TargetConfig:
 def load_drafter_config(path: str | Path) -> DrafterConfig:
     """Read and validate a DFlash drafter config.json (or the checkpoint directory holding it)."""
     return _load(DrafterConfig, path)
+
+
+def check_rope(config, path: str | Path) -> None:
+    """Raise ConfigError if the config's rope_theta / rope_scaling cannot be built (any model)."""
+    from kernels.layers import rope_frequencies  # here, so reading a config does not import triton
+
+    try:
+        rope_frequencies(config.head_dim, config.rope_theta, config.rope_scaling,
+                         config.max_position_embeddings)
+    except ValueError as error:
+        raise ConfigError(f"{config_path(path)}: {error}") from None

@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from target_service.cli import CliError
+from dflash_cli.main import CliError
 
 TRANSPORT_FAILURE = 1
 

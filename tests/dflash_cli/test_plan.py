@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from target_service.cli import main
+from dflash_cli.main import main
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 BASE = ["plan", "--target", str(EXAMPLES / "qwen3-8b"), "--drafter", str(EXAMPLES / "qwen3-8b-dflash-b16"),
@@ -43,7 +43,7 @@ def test_plan_table_names_both_storages(capsys):
 )
 def test_bad_input_is_one_sentence_without_traceback(extra, words):
     result = subprocess.run(
-        [sys.executable, "-m", "target_service.cli", *BASE, *extra], capture_output=True, text=True
+        [sys.executable, "-m", "dflash_cli.main", *BASE, *extra], capture_output=True, text=True
     )
     assert result.returncode == 2
     assert words in result.stderr and "Traceback" not in result.stderr

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import torch
 
-from target_service.training.corpus import sample_windows
-from target_service.training.dense_generate import generate_continuations
-from target_service.training.dense_target import DenseQwen3
+from training.corpus import sample_windows
+from training.dense_generate import generate_continuations
+from training.dense_target import DenseQwen3
 
 logger = logging.getLogger(__name__)
 

@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from target_service.training.progress import ProgressBar
-from target_service.training.state import load_state, save_state
+from training.progress import ProgressBar
+from training.state import load_state, save_state
 
 logger = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ from typing import NamedTuple
 import torch
 from safetensors import safe_open
 
-from kvpool_service.checkpoint_config import DTYPE_NAMES, ConfigError
+from foundation.checkpoint_config import DTYPE_NAMES, ConfigError
 
 logger = logging.getLogger(__name__)
 

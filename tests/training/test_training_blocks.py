@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from target_service.training.anchors import (
+from training.anchors import (
     build_blocks,
     default_gamma,
     loss_decay,

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from kvpool_service.checkpoint_config import (
+from foundation.checkpoint_config import (
     ConfigError,
     check_drafter_fits,
     default_target_layer_ids,

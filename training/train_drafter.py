@@ -17,11 +17,11 @@ from pathlib import Path
 import torch
 from pydantic import Field, model_validator
 
-from kvpool_service.byte_size import parse_byte_size
-from kvpool_service.checkpoint_config import DrafterConfig
+from foundation.byte_size import parse_byte_size
+from foundation.checkpoint_config import DrafterConfig
 from target_service.checkpoint import open_target_checkpoint
-from target_service.training.anchors import build_blocks, default_gamma, sample_anchors, weighted_block_loss
-from target_service.training.corpus import (
+from training.anchors import build_blocks, default_gamma, sample_anchors, weighted_block_loss
+from training.corpus import (
     MASK_TOKEN,
     encode_documents,
     held_out_prompts,
@@ -29,16 +29,16 @@ from target_service.training.corpus import (
     split_documents,
     token_stream,
 )
-from target_service.training.dense_drafter import DenseDFlashDrafter
-from target_service.training.dense_target import DenseQwen3
-from target_service.training.drafter_data import SequenceSet, build_generated_set, raw_windows
-from target_service.training.evaluate import evaluate_pair
-from target_service.training.export import drafter_config_json, export_drafter
-from target_service.training.loop import LoopSettings, train_loop
-from target_service.training.optim import make_optimizer
-from target_service.training.run_args import TrainRunArgs
-from target_service.training.state import CHECKPOINT_DIR
-from target_service.training.train_target import _device_name, resolve_device
+from training.dense_drafter import DenseDFlashDrafter
+from training.dense_target import DenseQwen3
+from training.drafter_data import SequenceSet, build_generated_set, raw_windows
+from training.evaluate import evaluate_pair
+from training.export import drafter_config_json, export_drafter
+from training.loop import LoopSettings, train_loop
+from training.optim import make_optimizer
+from training.run_args import TrainRunArgs
+from training.state import CHECKPOINT_DIR
+from training.train_target import _device_name, resolve_device
 
 logger = logging.getLogger(__name__)
 

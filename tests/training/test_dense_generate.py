@@ -10,8 +10,8 @@ import pytest
 import torch
 from tiny_checkpoints import write_target_checkpoint
 
-from target_service.training.dense_generate import cut_at_eos, generate_batch, generate_continuations
-from target_service.training.train_drafter import load_frozen_target
+from training.dense_generate import cut_at_eos, generate_batch, generate_continuations
+from training.train_drafter import load_frozen_target
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 VOCAB = 160

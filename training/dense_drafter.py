@@ -17,10 +17,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from foundation.checkpoint_config import DrafterConfig
 from kernels.layers import RotaryEmbedding, apply_rope
-from kvpool_service.checkpoint_config import DrafterConfig
-from target_service.training.anchors import Blocks
-from target_service.training.dense_target import MLP, Attention, RMSNorm, _linear
+from training.anchors import Blocks
+from training.dense_target import MLP, Attention, RMSNorm, _linear
 
 
 class DraftLayer(nn.Module):

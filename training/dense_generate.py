@@ -16,8 +16,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from target_service.training.dense_target import Attention, DenseQwen3
-from target_service.training.loop import autocast
+from training.dense_target import Attention, DenseQwen3
+from training.loop import autocast
 
 
 def _attend_cached(attn: Attention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

@@ -19,7 +19,7 @@ import torch
 from target_service.llm import LLM
 from target_service.outputs import SpecDecodeStats
 from target_service.sampling_params import SamplingParams
-from target_service.training.prompt_lookup import PromptLookupDrafter
+from training.prompt_lookup import PromptLookupDrafter
 
 logger = logging.getLogger(__name__)
 

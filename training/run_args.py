@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from kvpool_service.byte_size import parse_byte_size
+from foundation.byte_size import parse_byte_size
 
 
 class TrainRunArgs(BaseModel):
