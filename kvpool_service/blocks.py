@@ -23,7 +23,14 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
 # The control vocabulary lives in kvpool_service.control; it is importable from here too.
-from kvpool_service.control import CommitRequest, OpenRequest, OpenResult, PoolUsage, ReserveRequest
+from kvpool_service.control import (
+    CommitRequest,
+    OpenRequest,
+    OpenResult,
+    PoolLimits,
+    PoolUsage,
+    ReserveRequest,
+)
 from kvpool_service.errors import InvalidRequest, LimitExceeded, PoolExhausted, StaleEpoch, UnknownSequence
 from kvpool_service.prefix_cache import PrefixCache, hash_block, hash_chain
 from kvpool_service.sequence_blocks import (
@@ -107,6 +114,10 @@ class BlockManager:
     def num_available_blocks(self) -> int:
         """Blocks an allocation may take: free ones first, then cached ones by eviction."""
         return len(self._free) + self._cache.num_evictable
+
+    def limits(self) -> PoolLimits:
+        return PoolLimits(self.num_blocks, self.tokens_per_block, self.max_num_seqs, self.max_model_len,
+                          self.num_blocks - self.watermark_blocks)
 
     def free_block_ids(self) -> tuple[int, ...]:
         return tuple(self._free)

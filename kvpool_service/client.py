@@ -19,6 +19,7 @@ from kvpool_service.control import (
     CommitRequest,
     OpenRequest,
     OpenResult,
+    PoolLimits,
     PoolUsage,
     ReserveRequest,
 )
@@ -113,6 +114,11 @@ class KVPoolClient:
             num_seqs=response.num_seqs, prefix_cache_queries=response.prefix_cache_queries,
             prefix_cache_hits=response.prefix_cache_hits)
 
+    def limits(self, timeout: float | None = None) -> PoolLimits:
+        layout = self.layout(timeout)
+        return PoolLimits(layout.num_blocks, layout.tokens_per_block, layout.max_num_seqs, layout.max_model_len,
+                          layout.num_blocks - layout.watermark_blocks)
+
     def health(self, service: str = "", timeout: float | None = None) -> str:
         """The serving status name of `service` ("" = the whole server): SERVING, NOT_SERVING, ..."""
         try:
@@ -128,7 +134,7 @@ class KVPoolClient:
             pb.SequencePrompt(seq_id=seq_id, prompt_token_ids=prompt) for seq_id, prompt in requests]),
             "open request")
         response = self._call(self._stub.Open, request, timeout)
-        return [OpenResult(s.seq_id, s.slot, s.num_cached_tokens, list(s.block_ids))
+        return [OpenResult(s.seq_id, s.slot, s.num_cached_tokens, list(s.block_table))
                 for s in response.sequences]
 
     def reserve(self, requests: Sequence[ReserveRequest], timeout: float | None = None) -> list[list[int]]:

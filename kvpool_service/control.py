@@ -21,7 +21,7 @@ class OpenResult(NamedTuple):
     seq_id: int
     slot: int  # the sequence's row in the block tables
     num_cached_tokens: int  # restored from the prefix cache: target K/V and draft context both
-    block_ids: list[int]  # the whole block table, covering the prompt
+    block_table: list[int]  # the sequence's block ids, covering the prompt
 
 
 class ReserveRequest(NamedTuple):
@@ -53,6 +53,19 @@ class PoolUsage:
         return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
 
 
+class PoolLimits(NamedTuple):
+    """What a pool can hold, for refusing at submission a request that could never run."""
+
+    num_blocks: int
+    tokens_per_block: int
+    max_num_seqs: int
+    max_model_len: int
+    max_blocks_per_seq: int  # num_blocks less the admission watermark
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.tokens_per_block)
+
+
 @runtime_checkable
 class PoolControl(Protocol):
     """What the scheduler needs from a pool. Every call is batched and all-or-nothing."""
@@ -74,3 +87,7 @@ class PoolControl(Protocol):
         ...
 
     def stats(self) -> PoolUsage: ...
+
+    def limits(self) -> PoolLimits:
+        """Sizes that do not change while the pool lives (read once, at assembly)."""
+        ...

@@ -31,9 +31,9 @@ from pathlib import Path
 
 import torch
 
-from foundation.cuda_ipc import CudaIpcHandle, attach_buffer, export_buffer
 from foundation.layer_cache import LayerCache
-from foundation.shm import SHM_DIR, OwnedFile, map_file, pool_file_name, sweep_stale_files
+from foundation.shared_buffer import BufferHandle, OwnedBuffer, map_buffer
+from foundation.shm import SHM_DIR, pool_file_name
 from kvpool_service.errors import StaleEpoch
 from kvpool_service.spec import LayerGroup, PoolLayout
 
@@ -92,41 +92,48 @@ def plan_segments(layout: PoolLayout) -> tuple[tuple[Segment, ...], int]:
 
 @dataclass(frozen=True)
 class PoolHandle:
-    """What another process needs to map the pool: picklable, sent once (Ray call or Unix socket).
+    """What another process needs to map the pool: its layout (with the epoch) and its buffer.
 
-    Exactly one of `shm_path` (CPU pool) and `cuda` (GPU pool) is set. Never accept one from a
-    network peer: unpickling a CUDA handle runs the function it names.
+    Picklable unless the pool is private to one process (`share=False`), whose handle is for the
+    in-process assembly only. Never accept one from a network peer: unpickling a CUDA handle runs
+    the function it names.
     """
 
     layout: PoolLayout
-    nbytes: int
-    shm_path: str | None = None
-    cuda: CudaIpcHandle | None = None
+    buffer: BufferHandle
 
-    def __post_init__(self):
-        if (self.shm_path is None) == (self.cuda is None):
-            raise ValueError("a PoolHandle carries exactly one of shm_path (CPU) and cuda (GPU)")
+    @property
+    def nbytes(self) -> int:
+        return self.buffer.nbytes
+
+    @property
+    def shm_path(self) -> str | None:
+        return self.buffer.shm_path
+
+    @property
+    def cuda(self):
+        return self.buffer.cuda
 
 
 class PoolMemory:
     """The pool's arenas in one process, as their owner (`create`) or attached to one (`attach`)."""
 
-    def __init__(self, layout: PoolLayout, buffer: torch.Tensor, *, is_owner: bool, shareable: bool = True,
-                 owned_file: OwnedFile | None = None):
+    def __init__(self, layout: PoolLayout, buffer: torch.Tensor, *, is_owner: bool,
+                 owned: OwnedBuffer | None = None):
         """Carve `buffer`; use `create` or `attach`, which check everything first."""
         self.layout = layout
         self.is_owner = is_owner
-        self.shareable = shareable
+        self.shareable = owned is not None and owned.shareable
         self.device = buffer.device
         self.nbytes = buffer.numel()
         self._buffer: torch.Tensor | None = buffer
-        self._owned_file = owned_file
+        self._owned = owned
         self._handle: PoolHandle | None = None
         segments, _ = plan_segments(layout)
         self._tensors = {s.name: buffer[s.offset:s.offset + s.nbytes].view(s.dtype).view(s.shape)
                          for s in segments}
         # Runs on close(), on garbage collection, and at interpreter exit; holds no reference to self.
-        self._finalizer = (weakref.finalize(self, _release, buffer[:HEADER_BYTES], owned_file)
+        self._finalizer = (weakref.finalize(self, _release, buffer[:HEADER_BYTES], owned and owned.file)
                            if is_owner else None)
 
     @classmethod
@@ -136,29 +143,19 @@ class PoolMemory:
 
         A shared CPU pool is a file in `shm_dir`; `sweep_stale` first removes pool files of dead
         owners (see `shm.sweep_stale_files`). `share=False` is for the one-process engine: private
-        memory, no file, and `export` refuses (on CUDA the allocation is the same either way).
+        memory, no file, and a handle that cannot leave the process (on CUDA the allocation is the
+        same either way).
         """
         if not isinstance(layout, PoolLayout):
             raise TypeError(f"layout must be a PoolLayout, got {type(layout).__name__}")
-        device = torch.device(device)
-        if device.type not in ("cpu", "cuda"):
+        if torch.device(device).type not in ("cpu", "cuda"):
             raise ValueError(f"pool memory lives on 'cpu' or 'cuda', got device {str(device)!r}")
         _, nbytes = plan_segments(layout)
-        owned_file = None
-        if device.type == "cpu" and share:
-            shm_dir = Path(shm_dir)
-            if sweep_stale:
-                sweep_stale_files(shm_dir)
-            owned_file = OwnedFile.create(shm_dir, pool_file_name(layout.epoch), nbytes)
-            try:
-                buffer = owned_file.map()
-            except BaseException:
-                owned_file.remove()
-                raise
-        else:
-            buffer = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+        owned = OwnedBuffer.allocate(nbytes, device, share=share, file_name=pool_file_name(layout.epoch),
+                                     shm_dir=shm_dir, sweep_stale=sweep_stale)
+        buffer = owned.tensor
         buffer[:HEADER_BYTES].copy_(_pack_header(layout))
-        pool = cls(layout, buffer, is_owner=True, shareable=share, owned_file=owned_file)
+        pool = cls(layout, buffer, is_owner=True, owned=owned)
         for name, tensor in pool._tensors.items():
             if name.endswith(".scales"):
                 tensor.fill_(1.0)
@@ -186,17 +183,16 @@ class PoolMemory:
         return cls(expected_layout, buffer, is_owner=False)
 
     def export(self) -> PoolHandle:
-        """The handle other processes attach with (made once, then the same one every time)."""
-        buffer = self._open_buffer()
+        """The handle others attach with (made once, then the same one every time).
+
+        A pool created with share=False exports an in-process handle: the other assemblers of this
+        process attach with it; pickling it (to send it to another process) raises TypeError.
+        """
+        self._open_buffer()
         if not self.is_owner:
             raise RuntimeError("only the pool's owner exports it; pass on the handle you attached with")
-        if not self.shareable:
-            raise RuntimeError("this pool was created with share=False (one process); it has no handle")
         if self._handle is None:
-            if self._owned_file is not None:
-                self._handle = PoolHandle(self.layout, self.nbytes, shm_path=str(self._owned_file.path))
-            else:
-                self._handle = PoolHandle(self.layout, self.nbytes, cuda=export_buffer(buffer))
+            self._handle = PoolHandle(self.layout, self._owned.export())
         return self._handle
 
     def arena(self, group: str) -> torch.Tensor:
@@ -273,7 +269,7 @@ class PoolMemory:
         raise ValueError(f"unknown layer group {name!r}; this pool has {names}")
 
 
-def _release(header: torch.Tensor, owned_file: OwnedFile | None) -> None:
+def _release(header: torch.Tensor, owned_file) -> None:
     header[_EPOCH_BYTES].zero_()  # attached processes see epoch 0: closed
     if owned_file is not None:
         owned_file.remove()
@@ -329,20 +325,10 @@ def _differences(have: dict, want: dict, prefix: str = "") -> list[tuple[str, ob
 
 
 def _map(handle: PoolHandle) -> torch.Tensor:
-    if handle.shm_path is not None:
-        path = Path(handle.shm_path)
-        try:
-            return map_file(path, handle.nbytes)
-        except FileNotFoundError as err:
-            raise StaleEpochError(f"pool file {path} is gone: the pool of epoch {handle.layout.epoch} "
-                                  "was closed or its owner exited; fetch a fresh handle") from err
-        except ValueError as err:
-            raise PoolAttachError(str(err)) from err
     try:
-        buffer = attach_buffer(handle.cuda)
-    except LookupError as err:
+        return map_buffer(handle.buffer)
+    except FileNotFoundError as err:
+        raise StaleEpochError(f"pool file {handle.shm_path} is gone: the pool of epoch {handle.layout.epoch} "
+                              "was closed or its owner exited; fetch a fresh handle") from err
+    except (ValueError, LookupError) as err:
         raise PoolAttachError(str(err)) from err
-    if buffer.dtype != torch.uint8 or buffer.numel() != handle.nbytes:
-        raise PoolAttachError(f"CUDA handle maps {buffer.numel()} {buffer.dtype} elements, expected "
-                              f"{handle.nbytes} uint8")
-    return buffer

@@ -83,7 +83,7 @@ class KVPoolServicer(kvpool_pb2_grpc.KVPoolServicer):
         results = self.blocks.open([OpenRequest(s.seq_id, s.prompt_token_ids) for s in request.sequences])
         return pb.OpenResponse(sequences=[
             pb.OpenedSequence(seq_id=r.seq_id, slot=r.slot, num_cached_tokens=r.num_cached_tokens,
-                              block_ids=r.block_ids) for r in results])
+                              block_table=r.block_table) for r in results])
 
     async def Reserve(self, request: pb.ReserveRequest, context) -> pb.ReserveResponse:
         self._check_epoch(request.epoch)
@@ -112,7 +112,8 @@ class KVPoolServicer(kvpool_pb2_grpc.KVPoolServicer):
         return pb.Layout(epoch=self.layout.epoch, tokens_per_block=spec.tokens_per_block,
                          num_blocks=self.layout.num_blocks, groups=groups,
                          bytes_per_token=spec.bytes_per_token, max_num_seqs=self.blocks.max_num_seqs,
-                         max_model_len=self.blocks.max_model_len)
+                         max_model_len=self.blocks.max_model_len,
+                         watermark_blocks=self.blocks.watermark_blocks)
 
     async def PoolStats(self, request: pb.PoolStatsRequest, context) -> pb.PoolStatsResponse:
         u = self.blocks.stats()

@@ -130,8 +130,8 @@ class LLMEngine:
             return {}
         num_draft = max(work.num_draft for work in drafting)
         seqs = [work.seq for work in drafting]
-        max_blocks = max(len(seq.block_ids) for seq in seqs)
-        table = torch.tensor([seq.block_ids + [0] * (max_blocks - len(seq.block_ids)) for seq in seqs],
+        max_blocks = max(len(seq.block_table) for seq in seqs)
+        table = torch.tensor([seq.block_table + [0] * (max_blocks - len(seq.block_table)) for seq in seqs],
                              dtype=torch.int32, device=self.device)
         tokens = self.drafter.propose(
             bonus_tokens=self._tensor([seq.bonus_token for seq in seqs]),
@@ -148,12 +148,12 @@ class LLMEngine:
         for work in plan.decodes:
             seq = work.seq
             tokens = [seq.bonus_token, *drafts.get(seq.seq_id, [])]
-            chunks.append(SeqChunk(tokens, seq.num_computed, seq.block_ids, len(tokens), len(tokens) * taps))
+            chunks.append(SeqChunk(tokens, seq.num_computed, seq.block_table, len(tokens), len(tokens) * taps))
         for chunk in plan.prefills:
             seq = chunk.seq
             tokens = seq.token_ids[chunk.start: chunk.start + chunk.num_tokens]
             wants_logits = int(chunk.is_last and not seq.output_token_ids)
-            chunks.append(SeqChunk(tokens, chunk.start, seq.block_ids, wants_logits, len(tokens) * taps))
+            chunks.append(SeqChunk(tokens, chunk.start, seq.block_table, wants_logits, len(tokens) * taps))
         for chunk, seq in zip(chunks, _scheduled(plan)):
             rows[seq.seq_id] = _Rows(slice(logit_row, logit_row + chunk.num_logits),
                                      slice(tap_row, tap_row + chunk.num_taps))
@@ -196,8 +196,8 @@ class LLMEngine:
         for seq, start, tap_rows, keep in context_rows:
             count = tap_rows.stop - tap_rows.start
             pos = torch.arange(start, start + count)
-            blocks = torch.tensor(seq.block_ids, dtype=torch.long)
-            target_slots = blocks[(pos // tpb).clamp(max=len(seq.block_ids) - 1)] * tpb + pos % tpb
+            blocks = torch.tensor(seq.block_table, dtype=torch.long)
+            target_slots = blocks[(pos // tpb).clamp(max=len(seq.block_table) - 1)] * tpb + pos % tpb
             target_slots[keep:] = PAD_SLOT
             positions[tap_rows], seq_slots[tap_rows], slots[tap_rows] = pos, seq.slot, target_slots
         self.drafter.store_context(taps, positions.to(self.device), seq_slots.to(self.device),

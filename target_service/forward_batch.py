@@ -83,14 +83,14 @@ class ForwardBatch:
 class SeqChunk:
     """One sequence's share of a step: `token_ids` at positions start, start+1, ...
 
-    block_ids covers at least positions 0..start+len(token_ids)-1. The last `num_logits` rows get
+    block_table covers at least positions 0..start+len(token_ids)-1. The last `num_logits` rows get
     logits (1 for a decode or the final prefill chunk, len for a verify block, 0 for an inner
     prefill chunk); the last `num_taps` rows get tapped hidden states.
     """
 
     token_ids: Sequence[int]
     start: int
-    block_ids: Sequence[int]
+    block_table: Sequence[int]
     num_logits: int = 1
     num_taps: int = 0
 
@@ -112,23 +112,23 @@ def pack(
     if not chunks:
         raise ValueError("pack needs at least one SeqChunk")
     ids, positions, slots, logits_rows, tap_rows, starts, lens = [], [], [], [], [], [0], []
-    max_blocks = max(len(chunk.block_ids) for chunk in chunks)
+    max_blocks = max(len(chunk.block_table) for chunk in chunks)
     for chunk in chunks:
         end = chunk.start + len(chunk.token_ids)
-        if -(-end // tokens_per_block) > len(chunk.block_ids):
+        if -(-end // tokens_per_block) > len(chunk.block_table):
             raise ValueError(
-                f"SeqChunk.block_ids has {len(chunk.block_ids)} blocks; positions up to {end - 1} "
+                f"SeqChunk.block_table has {len(chunk.block_table)} blocks; positions up to {end - 1} "
                 f"need {-(-end // tokens_per_block)} of {tokens_per_block} tokens"
             )
         ids.extend(chunk.token_ids)
         for pos in range(chunk.start, end):
             positions.append(pos)
-            slots.append(chunk.block_ids[pos // tokens_per_block] * tokens_per_block + pos % tokens_per_block)
+            slots.append(chunk.block_table[pos // tokens_per_block] * tokens_per_block + pos % tokens_per_block)
         logits_rows.extend(range(len(ids) - chunk.num_logits, len(ids)))
         tap_rows.extend(range(len(ids) - chunk.num_taps, len(ids)))
         starts.append(len(ids))
         lens.append(end)
-    table = [list(chunk.block_ids) + [0] * (max_blocks - len(chunk.block_ids)) for chunk in chunks]
+    table = [list(chunk.block_table) + [0] * (max_blocks - len(chunk.block_table)) for chunk in chunks]
 
     def tensor(values, dtype=torch.int64):
         return torch.tensor(values, dtype=dtype, device=device)

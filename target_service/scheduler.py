@@ -113,7 +113,7 @@ class Scheduler:
                 work = [w for w in work if w.seq is not victim]
                 continue
             for w, new_blocks in zip(work, appended):
-                w.seq.block_ids.extend(new_blocks)
+                w.seq.block_table.extend(new_blocks)
             return work
         return []
 
@@ -137,7 +137,7 @@ class Scheduler:
         chunks = []
         for seq, result in zip(candidates, results):
             self.waiting.popleft()
-            seq.status, seq.slot, seq.block_ids = SequenceStatus.RUNNING, result.slot, list(result.block_ids)
+            seq.status, seq.slot, seq.block_table = SequenceStatus.RUNNING, result.slot, list(result.block_table)
             seq.num_cached_tokens = seq.num_computed = result.num_cached_tokens
             seq.num_pool_known_tokens = seq.prefill_len
             self.running.append(seq)

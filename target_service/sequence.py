@@ -12,7 +12,7 @@ Who writes what:
 | field                                   | writer                                        |
 | --------------------------------------- | --------------------------------------------- |
 | status                                  | Scheduler                                     |
-| slot, block_ids, num_cached_tokens      | Scheduler, from the pool's open / reserve     |
+| slot, block_table, num_cached_tokens    | Scheduler, from the pool's open / reserve     |
 | output_token_ids, num_computed,         | Engine (after each step)                      |
 | num_pool_known_tokens, finish_reason,   |                                               |
 | num_drafts, num_draft_tokens,           |                                               |
@@ -46,7 +46,7 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     slot: int = -1
-    block_ids: list[int] = field(default_factory=list)
+    block_table: list[int] = field(default_factory=list)
     num_cached_tokens: int = 0
     num_computed: int = 0
     num_pool_known_tokens: int = 0  # token ids the pool has been told (for prefix hashing)
@@ -84,6 +84,6 @@ class Sequence:
     def reset_for_recompute(self) -> None:
         """Forget the pool state after preemption; tokens stay and are prefilled again."""
         self.status = SequenceStatus.WAITING
-        self.slot, self.block_ids = -1, []
+        self.slot, self.block_table = -1, []
         self.num_cached_tokens = self.num_computed = self.num_pool_known_tokens = 0
         self.num_preemptions += 1

@@ -24,16 +24,16 @@ class OpenRequest(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., sequences: _Optional[_Iterable[_Union[SequencePrompt, _Mapping]]] = ...) -> None: ...
 
 class OpenedSequence(_message.Message):
-    __slots__ = ("seq_id", "slot", "num_cached_tokens", "block_ids")
+    __slots__ = ("seq_id", "slot", "num_cached_tokens", "block_table")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     SLOT_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_TABLE_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     slot: int
     num_cached_tokens: int
-    block_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, seq_id: _Optional[int] = ..., slot: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    block_table: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq_id: _Optional[int] = ..., slot: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., block_table: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class OpenResponse(_message.Message):
     __slots__ = ("sequences",)
@@ -112,7 +112,7 @@ class LayerGroup(_message.Message):
     def __init__(self, name: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., bytes_per_token: _Optional[int] = ...) -> None: ...
 
 class Layout(_message.Message):
-    __slots__ = ("epoch", "tokens_per_block", "num_blocks", "groups", "bytes_per_token", "max_num_seqs", "max_model_len")
+    __slots__ = ("epoch", "tokens_per_block", "num_blocks", "groups", "bytes_per_token", "max_num_seqs", "max_model_len", "watermark_blocks")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     TOKENS_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -120,6 +120,7 @@ class Layout(_message.Message):
     BYTES_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    WATERMARK_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     tokens_per_block: int
     num_blocks: int
@@ -127,7 +128,8 @@ class Layout(_message.Message):
     bytes_per_token: int
     max_num_seqs: int
     max_model_len: int
-    def __init__(self, epoch: _Optional[int] = ..., tokens_per_block: _Optional[int] = ..., num_blocks: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[LayerGroup, _Mapping]]] = ..., bytes_per_token: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_model_len: _Optional[int] = ...) -> None: ...
+    watermark_blocks: int
+    def __init__(self, epoch: _Optional[int] = ..., tokens_per_block: _Optional[int] = ..., num_blocks: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[LayerGroup, _Mapping]]] = ..., bytes_per_token: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_model_len: _Optional[int] = ..., watermark_blocks: _Optional[int] = ...) -> None: ...
 
 class PoolStatsRequest(_message.Message):
     __slots__ = ()

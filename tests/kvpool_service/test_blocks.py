@@ -48,10 +48,10 @@ def run_prefill(bm, seq_id, tokens):
 def test_open_gives_lowest_free_slot_and_blocks_for_whole_prompt():
     bm = make()
     [a, b] = bm.open([OpenRequest(7, prompt(9)), OpenRequest(3, prompt(4, 1))])
-    assert (a.slot, a.num_cached_tokens, len(a.block_ids)) == (0, 0, 3)  # ceil(9 / 4)
-    assert (b.slot, len(b.block_ids)) == (1, 1)
-    assert set(a.block_ids).isdisjoint(b.block_ids)
-    assert bm.get(7).block_table == a.block_ids
+    assert (a.slot, a.num_cached_tokens, len(a.block_table)) == (0, 0, 3)  # ceil(9 / 4)
+    assert (b.slot, len(b.block_table)) == (1, 1)
+    assert set(a.block_table).isdisjoint(b.block_table)
+    assert bm.get(7).block_table == a.block_table
     assert bm.stats().num_used_blocks == 4 and bm.num_free_blocks == 12
 
 
@@ -145,9 +145,9 @@ def test_prefix_hit_shares_blocks_and_counts_tokens():
     [a] = bm.open([OpenRequest(1, tokens)])
     run_prefill(bm, 1, tokens)
     [b] = bm.open([OpenRequest(2, [*tokens[:8], 77, 78, 79])])
-    assert b.num_cached_tokens == 8 and b.block_ids[:2] == a.block_ids[:2]
-    assert b.block_ids[2] != a.block_ids[2]
-    assert [bm.ref_count(x) for x in a.block_ids] == [2, 2, 1]
+    assert b.num_cached_tokens == 8 and b.block_table[:2] == a.block_table[:2]
+    assert b.block_table[2] != a.block_table[2]
+    assert [bm.ref_count(x) for x in a.block_table] == [2, 2, 1]
     assert bm.get(2).num_tokens == bm.get(2).num_context == 8
     stats = bm.stats()
     assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (21, 8)
@@ -178,10 +178,10 @@ def test_hit_on_released_block_revives_it_from_the_cache():
     [a] = bm.open([OpenRequest(1, tokens)])
     run_prefill(bm, 1, tokens)
     bm.close([1])
-    assert set(bm.cached_block_ids()) == set(a.block_ids[:2]) and a.block_ids[2] in bm.free_block_ids()
+    assert set(bm.cached_block_ids()) == set(a.block_table[:2]) and a.block_table[2] in bm.free_block_ids()
     [b] = bm.open([OpenRequest(2, tokens)])
-    assert b.block_ids[:2] == a.block_ids[:2] and bm.num_cached_blocks == 0
-    assert [bm.ref_count(x) for x in b.block_ids] == [1, 1, 1]
+    assert b.block_table[:2] == a.block_table[:2] and bm.num_cached_blocks == 0
+    assert [bm.ref_count(x) for x in b.block_table] == [1, 1, 1]
 
 
 def test_eviction_takes_free_blocks_first_then_lru_chain_tail_first():
@@ -193,15 +193,15 @@ def test_eviction_takes_free_blocks_first_then_lru_chain_tail_first():
     [b] = bm.open([OpenRequest(2, new)])
     run_prefill(bm, 2, new)
     bm.close([2])
-    assert bm.cached_block_ids() == (a.block_ids[1], a.block_ids[0], b.block_ids[1], b.block_ids[0])
+    assert bm.cached_block_ids() == (a.block_table[1], a.block_table[0], b.block_table[1], b.block_table[0])
     free_before = set(bm.free_block_ids())
     assert len(free_before) == 3
     [c] = bm.open([OpenRequest(3, prompt(16, 3))])  # 4 blocks: the 3 free ones, then evict a[1]
-    assert set(c.block_ids) == free_before | {a.block_ids[1]}
-    assert bm.cached_block_ids() == (a.block_ids[0], b.block_ids[1], b.block_ids[0])
-    assert not bm.is_registered(a.block_ids[1])
+    assert set(c.block_table) == free_before | {a.block_table[1]}
+    assert bm.cached_block_ids() == (a.block_table[0], b.block_table[1], b.block_table[0])
+    assert not bm.is_registered(a.block_table[1])
     [d] = bm.open([OpenRequest(4, new)])  # b's prefix survived
-    assert d.num_cached_tokens == 8 and d.block_ids[:2] == b.block_ids[:2]
+    assert d.num_cached_tokens == 8 and d.block_table[:2] == b.block_table[:2]
 
 
 def test_hits_in_a_batch_are_not_evicted_by_the_same_batch():
@@ -213,8 +213,8 @@ def test_hits_in_a_batch_are_not_evicted_by_the_same_batch():
     with pytest.raises(PoolExhausted):  # the hit revives 2 and needs 1 more, the other needs 2: 3 > 2
         bm.open([OpenRequest(2, tokens), OpenRequest(3, prompt(5, 9))])
     [b, c] = bm.open([OpenRequest(2, tokens), OpenRequest(3, [1])])
-    assert b.block_ids[:2] == a.block_ids[:2] and b.num_cached_tokens == 8
-    assert bm.num_available_blocks == 0 and len({*b.block_ids, *c.block_ids}) == 4
+    assert b.block_table[:2] == a.block_table[:2] and b.num_cached_tokens == 8
+    assert bm.num_available_blocks == 0 and len({*b.block_table, *c.block_table}) == 4
 
 
 def test_duplicate_content_is_cached_once():

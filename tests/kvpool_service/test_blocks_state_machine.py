@@ -78,16 +78,16 @@ class BlockManagerMachine(RuleBasedStateMachine):
             return
         for request, result in zip(requests, results):
             self.live[request.seq_id] = list(request.prompt_token_ids)
-            for block in result.block_ids[result.num_cached_tokens // TPB:]:  # fresh pages: no content
+            for block in result.block_table[result.num_cached_tokens // TPB:]:  # fresh pages: no content
                 self.kv[block], self.ctx[block] = [None] * TPB, [None] * TPB
             self._check_hit(request, result)
 
     def _check_hit(self, request, result):
         n, tokens = result.num_cached_tokens, request.prompt_token_ids
         assert n % TPB == 0 and n <= len(tokens) - 1
-        assert len(result.block_ids) == -(-len(tokens) // TPB)
+        assert len(result.block_table) == -(-len(tokens) // TPB)
         for pos in range(n):  # the hit restores target K/V and draft context of exactly these tokens
-            block = result.block_ids[pos // TPB]
+            block = result.block_table[pos // TPB]
             assert self.kv[block][pos % TPB] == tokens[pos] == self.ctx[block][pos % TPB]
 
     @precondition(lambda self: self.live)

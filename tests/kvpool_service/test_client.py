@@ -58,13 +58,13 @@ def test_both_pools_are_pool_controls(pool):
 def test_open_reserve_commit_close_give_the_same_answers(pool):
     prompt = list(range(40))
     [a] = pool.open([OpenRequest(10, prompt)])
-    assert (a.seq_id, a.slot, a.num_cached_tokens, len(a.block_ids)) == (10, 0, 0, 3)
+    assert (a.seq_id, a.slot, a.num_cached_tokens, len(a.block_table)) == (10, 0, 0, 3)
     [grown] = pool.reserve([ReserveRequest(10, 70)])
-    assert len(grown) == 2 and not set(grown) & set(a.block_ids)  # ceil(70 / 16) = 5 blocks
+    assert len(grown) == 2 and not set(grown) & set(a.block_table)  # ceil(70 / 16) = 5 blocks
     assert pool.reserve([ReserveRequest(10, 33)]) == [[]]  # capacities never shrink
     pool.commit([CommitRequest(10, 45, 41, [40, 41, 42, 43, 44])])
     [b] = pool.open([OpenRequest(11, prompt)])  # blocks 0 and 1 (32 tokens) are full and written
-    assert (b.slot, b.num_cached_tokens, b.block_ids[:2]) == (1, 32, a.block_ids[:2])
+    assert (b.slot, b.num_cached_tokens, b.block_table[:2]) == (1, 32, a.block_table[:2])
     usage = pool.stats()
     assert (usage.num_seqs, usage.num_used_blocks, usage.prefix_cache_hits, usage.prefix_cache_queries) == (
         2, 6, 32, 80)

@@ -2,12 +2,14 @@
 
 import errno
 import os
+import pickle
 from pathlib import Path
 
 import pytest
 import torch
 
 from foundation import cuda_ipc, shm
+from foundation.shared_buffer import BufferHandle
 from kvpool_service.memory import (
     HEADER_BYTES,
     PoolAttachError,
@@ -138,7 +140,7 @@ def test_attach_refuses_a_handle_of_a_restarted_pool():
 def test_attach_checks_the_epoch_written_in_the_memory_itself(pool):
     # a handle that claims another epoch but points at this pool's file: the header disagrees
     other = PoolLayout(spec=pool.layout.spec, num_blocks=3, epoch=pool.layout.epoch ^ 1)
-    forged = PoolHandle(other, pool.nbytes, shm_path=pool.export().shm_path)
+    forged = PoolHandle(other, pool.export().buffer)
     message = f"holds epoch {pool.layout.epoch}.*expected epoch {other.epoch}"
     with pytest.raises(StaleEpochError, match=message):
         PoolMemory.attach(forged, other)
@@ -148,10 +150,10 @@ def test_attach_refuses_memory_that_is_not_a_pool(tmp_path, pool):
     path = tmp_path / "not-a-pool"
     path.write_bytes(b"x" * pool.nbytes)
     with pytest.raises(PoolAttachError, match="not a dflash pool"):
-        PoolMemory.attach(PoolHandle(pool.layout, pool.nbytes, shm_path=str(path)), pool.layout)
+        PoolMemory.attach(PoolHandle(pool.layout, BufferHandle(pool.nbytes, shm_path=str(path))), pool.layout)
     message = f"holds {pool.nbytes + 8} bytes, its layout needs {pool.nbytes}"
     with pytest.raises(PoolAttachError, match=message):
-        PoolMemory.attach(PoolHandle(pool.layout, pool.nbytes + 8, shm_path=str(path)), pool.layout)
+        PoolMemory.attach(PoolHandle(pool.layout, BufferHandle(pool.nbytes + 8, shm_path=str(path))), pool.layout)
 
 
 def test_attached_process_notices_its_owner_closed():
@@ -177,7 +179,7 @@ def test_close_removes_the_file_and_is_final():
         owner.export()
 
 
-def test_unshared_pool_has_the_same_views_but_no_file_and_no_handle():
+def test_unshared_pool_has_the_same_views_but_no_file_and_a_handle_that_stays_in_process():
     layout = PoolLayout.create(make_spec(), num_blocks=3)
     with PoolMemory.create(layout, share=False) as private:
         assert not [name for name in os.listdir("/dev/shm") if name.endswith(f"-{layout.epoch:016x}")]
@@ -185,8 +187,11 @@ def test_unshared_pool_has_the_same_views_but_no_file_and_no_handle():
         private.layer("target", 0).v_cache.copy_(values)
         assert torch.equal(private.arena("target")[:, 0, 1], values)
         assert private.scales("draft").tolist() == [[1.0, 1.0]]
-        with pytest.raises(RuntimeError, match="created with share=False"):
-            private.export()
+        handle = private.export()
+        with PoolMemory.attach(handle, layout) as attached:  # the in-process assemblers' path
+            assert torch.equal(attached.layer("target", 0).v_cache, values)
+        with pytest.raises(TypeError, match="in-process buffer handle cannot leave its process"):
+            pickle.dumps(handle)
 
 
 def test_sweep_leaves_a_live_owners_file_alone(pool):
@@ -223,7 +228,7 @@ def test_bad_arguments_get_clear_errors(pool):
     with pytest.raises(IndexError, match="layer 2 is out of range for group 'target' of 2 layers"):
         pool.layer("target", 2)
     with pytest.raises(ValueError, match="exactly one of shm_path"):
-        PoolHandle(pool.layout, pool.nbytes)
+        PoolHandle(pool.layout, BufferHandle(pool.nbytes))
     with (
         PoolMemory.attach(pool.export(), pool.layout) as attached,
         pytest.raises(RuntimeError, match="only the pool's owner exports it"),

@@ -27,7 +27,7 @@ def test_check_fails_when_the_proto_changes(tmp_path):
     shutil.copytree(ROOT / "protos", protos)
     path = protos / PROTO
     path.write_text(path.read_text().replace("  uint32 max_model_len = 7;\n",
-                                             "  uint32 max_model_len = 7;\n  uint32 extra = 8;\n"))
+                                             "  uint32 max_model_len = 7;\n  uint32 extra = 99;\n"))
     stale = generate.stale_files(proto_root=protos)
     assert "kvpool_pb2.py" in stale and "kvpool_pb2.pyi" in stale
 

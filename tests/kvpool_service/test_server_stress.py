@@ -122,8 +122,8 @@ def test_concurrent_clients_leave_the_pool_as_their_mirrors_say():
                         if op == "open":
                             prompt = [*rng.choice(stems)[:rng.randint(1, 40)], rng.randrange(50)]
                             [result] = client.open([OpenRequest(next_id, prompt)])
-                            mirror[next_id] = result.block_ids
-                            lengths[next_id] = (result.num_cached_tokens, len(result.block_ids) * TPB)
+                            mirror[next_id] = result.block_table
+                            lengths[next_id] = (result.num_cached_tokens, len(result.block_table) * TPB)
                             next_id += 1
                         elif op == "reserve":
                             seq_id = rng.choice(sorted(mirror))
