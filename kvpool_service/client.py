@@ -116,8 +116,8 @@ class KVPoolClient:
 
     def limits(self, timeout: float | None = None) -> PoolLimits:
         layout = self.layout(timeout)
-        return PoolLimits(layout.num_blocks, layout.tokens_per_block, layout.max_num_seqs, layout.max_model_len,
-                          layout.num_blocks - layout.watermark_blocks)
+        return PoolLimits(layout.num_blocks, layout.tokens_per_block, layout.max_num_seqs,
+                          layout.max_model_len, layout.num_blocks - layout.watermark_blocks)
 
     def health(self, service: str = "", timeout: float | None = None) -> str:
         """The serving status name of `service` ("" = the whole server): SERVING, NOT_SERVING, ..."""

@@ -123,7 +123,8 @@ def pack(
         ids.extend(chunk.token_ids)
         for pos in range(chunk.start, end):
             positions.append(pos)
-            slots.append(chunk.block_table[pos // tokens_per_block] * tokens_per_block + pos % tokens_per_block)
+            block = chunk.block_table[pos // tokens_per_block]
+            slots.append(block * tokens_per_block + pos % tokens_per_block)
         logits_rows.extend(range(len(ids) - chunk.num_logits, len(ids)))
         tap_rows.extend(range(len(ids) - chunk.num_taps, len(ids)))
         starts.append(len(ids))

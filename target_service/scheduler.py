@@ -137,7 +137,8 @@ class Scheduler:
         chunks = []
         for seq, result in zip(candidates, results):
             self.waiting.popleft()
-            seq.status, seq.slot, seq.block_table = SequenceStatus.RUNNING, result.slot, list(result.block_table)
+            seq.status, seq.slot = SequenceStatus.RUNNING, result.slot
+            seq.block_table = list(result.block_table)
             seq.num_cached_tokens = seq.num_computed = result.num_cached_tokens
             seq.num_pool_known_tokens = seq.prefill_len
             self.running.append(seq)

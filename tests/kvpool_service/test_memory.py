@@ -153,7 +153,8 @@ def test_attach_refuses_memory_that_is_not_a_pool(tmp_path, pool):
         PoolMemory.attach(PoolHandle(pool.layout, BufferHandle(pool.nbytes, shm_path=str(path))), pool.layout)
     message = f"holds {pool.nbytes + 8} bytes, its layout needs {pool.nbytes}"
     with pytest.raises(PoolAttachError, match=message):
-        PoolMemory.attach(PoolHandle(pool.layout, BufferHandle(pool.nbytes + 8, shm_path=str(path))), pool.layout)
+        oversized = BufferHandle(pool.nbytes + 8, shm_path=str(path))
+        PoolMemory.attach(PoolHandle(pool.layout, oversized), pool.layout)
 
 
 def test_attached_process_notices_its_owner_closed():

@@ -50,7 +50,7 @@ class Pages:
         random.Random(seed).shuffle(self.free)
         self.blocks: dict[int, list[int]] = {}
 
-    def block_ids(self, seq: int, length: int) -> list[int]:
+    def block_table(self, seq: int, length: int) -> list[int]:
         blocks = self.blocks.setdefault(seq, [])
         while len(blocks) * TOKENS_PER_BLOCK < length:
             blocks.append(self.free.pop())
@@ -76,7 +76,7 @@ def test_prefill_logits_and_taps_match_transformers(models):
     gen = torch.Generator().manual_seed(10)
     pages = Pages(ours.config)
     prompts = [random_tokens(gen, n) for n in (20, 37, 5)]
-    chunks = [SeqChunk(p, 0, pages.block_ids(s, len(p)), num_logits=len(p), num_taps=len(p))
+    chunks = [SeqChunk(p, 0, pages.block_table(s, len(p)), num_logits=len(p), num_taps=len(p))
               for s, p in enumerate(prompts)]
     out = ours(pack(chunks, TOKENS_PER_BLOCK), pages.caches)
     row = 0
@@ -94,13 +94,13 @@ def test_decode_token_by_token_through_pages_matches_transformers(models):
     gen = torch.Generator().manual_seed(11)
     pages = Pages(ours.config, seed=1)
     seqs = [random_tokens(gen, n) for n in (17, 30)]  # decodes cross the 32-token page boundary
-    chunks = [SeqChunk(s, 0, pages.block_ids(i, len(s))) for i, s in enumerate(seqs)]
+    chunks = [SeqChunk(s, 0, pages.block_table(i, len(s))) for i, s in enumerate(seqs)]
     ours(pack(chunks, TOKENS_PER_BLOCK), pages.caches)
     for _ in range(4):
         chunks = []
         for i, seq in enumerate(seqs):
             seq.append(random_tokens(gen, 1)[0])
-            chunks.append(SeqChunk(seq[-1:], len(seq) - 1, pages.block_ids(i, len(seq))))
+            chunks.append(SeqChunk(seq[-1:], len(seq) - 1, pages.block_table(i, len(seq))))
         out = ours(pack(chunks, TOKENS_PER_BLOCK), pages.caches)
         for i, seq in enumerate(seqs):
             assert_close(out.logits[i], hf_forward(hf, seq)[0][-1])
@@ -111,13 +111,13 @@ def test_mixed_batch_of_prefill_chunk_verify_block_and_decode_matches_transforme
     gen = torch.Generator().manual_seed(12)
     pages = Pages(ours.config, seed=2)
     chunked, verified, decoded = random_tokens(gen, 35), random_tokens(gen, 25), random_tokens(gen, 9)
-    first = [SeqChunk(chunked[:20], 0, pages.block_ids(0, 20), num_logits=0),
-             SeqChunk(verified, 0, pages.block_ids(1, 25)), SeqChunk(decoded, 0, pages.block_ids(2, 9))]
+    first = [SeqChunk(chunked[:20], 0, pages.block_table(0, 20), num_logits=0),
+             SeqChunk(verified, 0, pages.block_table(1, 25)), SeqChunk(decoded, 0, pages.block_table(2, 9))]
     ours(pack(first, TOKENS_PER_BLOCK), pages.caches)
     block = random_tokens(gen, 5)  # [bonus, d1..d4] at positions 25..29
-    step = [SeqChunk(chunked[20:], 20, pages.block_ids(0, 35), num_taps=15),
-            SeqChunk(block, 25, pages.block_ids(1, 30), num_logits=5, num_taps=5),
-            SeqChunk([7], 9, pages.block_ids(2, 10))]
+    step = [SeqChunk(chunked[20:], 20, pages.block_table(0, 35), num_taps=15),
+            SeqChunk(block, 25, pages.block_table(1, 30), num_logits=5, num_taps=5),
+            SeqChunk([7], 9, pages.block_table(2, 10))]
     batch = pack(step, TOKENS_PER_BLOCK)
     assert batch.logits_indices.tolist() == [14, 15, 16, 17, 18, 19, 20]
     out = ours(batch, pages.caches)
@@ -138,7 +138,7 @@ def test_embeddings_and_lm_head_are_exposed_and_tied_when_the_checkpoint_ties_th
 def test_forward_rejects_caches_for_the_wrong_number_of_layers(models):
     ours, _ = models
     pages = Pages(ours.config)
-    batch = pack([SeqChunk([1, 2], 0, pages.block_ids(0, 2))], TOKENS_PER_BLOCK)
+    batch = pack([SeqChunk([1, 2], 0, pages.block_table(0, 2))], TOKENS_PER_BLOCK)
     with pytest.raises(ValueError, match="kv_caches has 3 entries, the model has 4 layers"):
         ours(batch, pages.caches[:3])
 
@@ -185,7 +185,7 @@ def test_pack_lays_out_slots_positions_and_rows():
     assert batch.seq_lens.tolist() == [18, 1] and batch.query_start_loc.tolist() == [0, 3, 4]
     assert batch.block_table.tolist() == [[4, 2], [5, 0]]
     assert batch.logits_indices.tolist() == [0, 1, 2, 3] and batch.tap_indices.tolist() == [1, 2]
-    with pytest.raises(ValueError, match="block_ids has 1 blocks; positions up to 17 need 2"):
+    with pytest.raises(ValueError, match="block_table has 1 blocks; positions up to 17 need 2"):
         pack([SeqChunk([9, 8, 7], 15, [4])], 16)
     with pytest.raises(ValueError, match=r"num_logits must be in 0..1, got 2"):
         SeqChunk([1], 0, [0], num_logits=2)
