@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The demo pair's GPU run, in two device calls (one call may last 10 minutes; training takes ~15).
 #
-#   bench/demo_pair_gpu.sh start    unpack the corpus, start bench/train_demo.py in its own session
+#   bench/demo_pair_gpu.sh start    unpack the corpus, start bench/bench_train_demo.py in its own session
 #   bench/demo_pair_gpu.sh start_drafter TARGET_DIR   the same for a drafter only, for a trained target
 #   bench/demo_pair_gpu.sh finish   wait for it, measure the pair on this GPU, pack everything in $OUT
 #
@@ -29,7 +29,7 @@ start() {
     local drafter_args="--corpus $roots --layers 2 --seq-len 384 --prompt-len 64 --gen-tokens 320
         --gen-batch 2048 --steps 100000 --batch-size 64 --anchors 48 --eval-prompts 64 --eval-max-tokens 256
         --timing-prompts 8 --eval-dtype float32 ${EXTRA_DRAFTER_ARGS:-}"
-    setsid nohup bash -c "python3 bench/train_demo.py --out $WORK/out --work $PAIR --device ${DEVICE:-cuda} \
+    setsid nohup bash -c "python3 -m bench.bench_train_demo --out $WORK/out --work $PAIR --device ${DEVICE:-cuda} \
         --target-seconds ${TARGET_SECONDS:-240} --drafter-seconds ${DRAFTER_SECONDS:-330} \
         --generated ${GENERATED:-32768} --target-args '$target_args' --drafter-args '$drafter_args'; \
         echo \$? > $WORK/rc" > "$WORK/train.log" 2>&1 < /dev/null &
@@ -41,7 +41,7 @@ start_drafter() {
     cp -r "$1" "$PAIR/target"
     local roots
     unpack_corpus
-    setsid nohup bash -c "python3 -m target_service.cli train drafter --target $PAIR/target --out $PAIR/drafter \
+    setsid nohup bash -c "python3 -m dflash_cli.main train drafter --target $PAIR/target --out $PAIR/drafter \
         --device ${DEVICE:-cuda} --seed ${SEED:-1} --time-budget ${DRAFTER_SECONDS:-480} --generated ${GENERATED:-32768} \
         --generated-fraction 0.75 --corpus $roots --layers ${DRAFT_LAYERS:-3} --seq-len 384 --prompt-len 64 \
         --gen-tokens 320 --gen-batch 2048 --steps 100000 --batch-size 64 --anchors 48 --eval-prompts 64 \
@@ -58,7 +58,7 @@ finish() {
     cp "$WORK/train.log" "$OUT/train.log"
     [ "$rc" = 0 ] || { echo "training failed: rc $rc"; exit 1; }
     for dtype in float32 bfloat16; do
-        python3 bench/demo_speedup.py --target "$PAIR/target" --drafter "$PAIR/drafter" --corpus "$CORPUS/stdlib" \
+        python3 -m bench.bench_demo_speedup --target "$PAIR/target" --drafter "$PAIR/drafter" --corpus "$CORPUS/stdlib" \
             --device ${DEVICE:-cuda} --dtype $dtype --prompts 32 --timing-prompts 8 --max-tokens 128 \
             --name "speedup_h200_$dtype" || echo "speedup $dtype failed"
     done

@@ -1,6 +1,6 @@
 """Offline sm_90 build of the attention kernels: an instruction histogram, no GPU needed.
 
-    PYTHONPATH=. python bench/kernel_sass.py [--kernel paged|context] [--cache fp8|bf16]
+    python -m bench.kernel_sass [--kernel paged|context] [--cache fp8|bf16]
         [--tile Q,M,N] [--rows R] [--warps W] [--stages S] [--split] [--no-cvt-asm] [--fp8-q]
         [--key-lanes L] [--source FILE] [--keep DIR] [--loop] [--top N]
 
@@ -13,7 +13,7 @@ barriers and local-memory accesses. `--source` compiles another version of the k
 (for example ``git show COMMIT:kernels/paged_attention_kernel.py``), so two versions compare without
 a device. `--keep DIR` writes the TTGIR, PTX and SASS there.
 
-The build mirrors a launch of bench/paged_attention.py (Qwen3-8B geometry: 32 query heads, 8 KV
+The build mirrors a launch of bench/bench_paged_attention.py (Qwen3-8B geometry: 32 query heads, 8 KV
 heads, D 128, 16-token pages; the context kernel: group 4, 32-token pages, single pass) with the GPU
 constexprs the launchers choose on an sm_90 device; integer strides are marked divisible by 16, and
 unit strides made constants, as Triton's launcher does for such values. Static counts cover the

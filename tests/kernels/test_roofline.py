@@ -1,22 +1,14 @@
-"""bench/roofline.py's per-resource model against counts worked out by hand."""
+"""bench/bench_roofline.py's per-resource model against counts worked out by hand."""
 
 from __future__ import annotations
 
-import importlib.util
 import random
-import sys
-from pathlib import Path
 
 import pytest
 
-QWEN3_8B = dict(heads=32, kv_heads=8, head_dim=128)  # the paged bench's geometry
+from bench import bench_roofline as roofline
 
-_BENCH = Path(__file__).resolve().parents[2] / "bench"
-sys.path.append(str(_BENCH))  # roofline takes the context bench's geometry
-_SPEC = importlib.util.spec_from_file_location("bench_roofline", _BENCH / "roofline.py")
-roofline = importlib.util.module_from_spec(_SPEC)
-sys.modules[_SPEC.name] = roofline  # dataclasses look their module up
-_SPEC.loader.exec_module(roofline)
+QWEN3_8B = dict(heads=32, kv_heads=8, head_dim=128)  # the paged bench's geometry
 
 
 def test_fp8_verify_tile_counts_by_hand():

@@ -1,6 +1,6 @@
 """Train the built-in demo pair end to end (target, then drafter, then its evaluation) in one run.
 
-    python bench/train_demo.py --out DIR [--target-seconds 150 --drafter-seconds 130] [--device cuda]
+    python -m bench.bench_train_demo --out DIR [--target-seconds 150 --drafter-seconds 130] [--device cuda]
 
 Runs the two `dflash train` commands exactly as a user would (their argv is logged and written to
 DIR/commands.json), then packs each model directory into DIR/target.tar and DIR/drafter.tar (one
@@ -23,7 +23,7 @@ import torch
 
 from dflash_cli.main import main as dflash
 
-logger = logging.getLogger("train_demo")
+logger = logging.getLogger("bench.bench_train_demo")
 
 
 def _pack(directory: Path, archive: Path) -> None:

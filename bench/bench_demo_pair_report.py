@@ -1,9 +1,9 @@
 """Collect the shipped demo pair's training record into bench/results/demo_pair.json and .png.
 
-    python bench/demo_pair_report.py [--models target_service/demo_models]
+    python -m bench.bench_demo_pair_report [--models target_service/demo_models]
 
 Reads the pair's train_log.json files, the drafter's eval.json and commands.json (what
-bench/train_demo.py ran, with wall times), and draws both loss curves and the acceptance by draft
+bench/bench_train_demo.py ran, with wall times), and draws both loss curves and the acceptance by draft
 position (DFlash against prompt lookup).
 """
 

@@ -1,4 +1,4 @@
-"""The report of bench/paged_attention.py: floors and percentages, the markdown table, the PNG."""
+"""The report of bench/bench_paged_attention.py: floors and percentages, the markdown table, the PNG."""
 
 from __future__ import annotations
 

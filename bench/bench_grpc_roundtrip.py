@@ -4,7 +4,7 @@ The pool server runs in its own process (as `dflash kvpool` would), the client i
 loopback. Beside it: the same step on an in-process BlockManager (what the split costs) and the
 smallest call, PoolStats (the transport's floor).
 
-    .venv/bin/python bench/grpc_roundtrip.py --out bench/results/grpc_roundtrip_cpu.md
+    .venv/bin/python -m bench.bench_grpc_roundtrip --out bench/results/grpc_roundtrip_cpu.md
 """
 
 from __future__ import annotations
@@ -18,9 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench.blocks import machine, percentile
+from bench.bench_blocks import machine, percentile
 from kvpool_service.blocks import BlockManager
 from kvpool_service.client import KVPoolClient
 from kvpool_service.control import CommitRequest, OpenRequest, ReserveRequest
@@ -111,7 +109,8 @@ def main() -> int:
                             cwd=Path(__file__).parent).stdout.strip() or "unknown"
     report = "\n".join([
         "# gRPC control plane: one batched Reserve + Commit round trip", "",
-        f"- machine: {machine()}", f"- command: `python bench/grpc_roundtrip.py {' '.join(sys.argv[1:])}`",
+        f"- machine: {machine()}",
+        f"- command: `python -m bench.bench_grpc_roundtrip {' '.join(sys.argv[1:])}`",
         f"- commit: {commit}", f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}",
         f"- shape: {args.seqs} sequences, prompt {args.prompt_len}, "
         f"tokens_per_block {args.tokens_per_block}, K = {args.num_speculative_tokens}, {args.steps} steps; "

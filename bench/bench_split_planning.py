@@ -1,12 +1,12 @@
 """Split planning side by side: whole waves (the current `plan_max_splits`) against the earlier rule.
 
-    PYTHONPATH=. python bench/split_planning.py --out DIR [--commit HASH]
+    python -m bench.bench_split_planning --out DIR [--commit HASH]
 
 The earlier rule took cdiv(2 x SMs, items) splits, which can start a third, mostly empty wave of
 programs (64 items x 5 splits = 320 programs on 132 SMs); the current one rounds down to whole
 waves. Both run in this one process on the same inputs, under CUDA graphs, through each bench's
-own timer: the context kernel (bench/context_attention.py: D 128, Q 16, group 4, bf16) and the
-paged kernel at decode and verify (bench/paged_attention.py: Qwen3-8B geometry, bf16). Only small
+own timer: the context kernel (bench/bench_context_attention.py: D 128, Q 16, group 4, bf16) and the
+paged kernel at decode and verify (bench/bench_paged_attention.py: Qwen3-8B geometry, bf16). Only small
 batches are listed: from SM-count items on both rules give one pass.
 
 Also a per-kernel breakdown of the context kernel at B 1, ctx 8192, NKV 4 (torch.profiler, no
@@ -25,15 +25,15 @@ import os
 from pathlib import Path
 from unittest import mock
 
-import context_attention as cab  # bench/ is sys.path[0]
-import paged_attention as pab
 import torch
 import triton
 
+from bench import bench_context_attention as cab
+from bench import bench_paged_attention as pab
 from kernels import split_kv
 from kernels.paged_tiles import choose_tiles
 
-log = logging.getLogger("bench.split_planning")
+log = logging.getLogger("bench.bench_split_planning")
 current_rule = split_kv.plan_max_splits
 
 
@@ -155,7 +155,7 @@ def main() -> None:
     result = {"device": torch.cuda.get_device_name(), "sms": split_kv.num_sms(device), "commit": args.commit,
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "torch": torch.__version__, "triton": triton.__version__,
-              "command": f"PYTHONPATH=. python bench/split_planning.py --out DIR --commit {args.commit}"}
+              "command": f"python -m bench.bench_split_planning --out DIR --commit {args.commit}"}
     result["breakdown"] = context_breakdown(device, gen)
     log.info("%s", result["breakdown"])
     result["rows"] = context_rows(device, gen) + paged_rows(device)

@@ -2,14 +2,14 @@
 
     git show COMMIT:kernels/context_attention.py > DIR/context_attention.py
     git show COMMIT:kernels/context_attention_kernel.py > DIR/context_attention_kernel.py
-    PYTHONPATH=. python bench/context_versions.py --base DIR --out OUT [--commit HASH] [--base-commit HASH]
+    python -m bench.bench_context_versions --base DIR --out OUT [--commit HASH] [--base-commit HASH]
 
-bench/kernel_variants.py swaps kernel sources under the working tree's launcher, so it cannot
+bench/bench_kernel_variants.py swaps kernel sources under the working tree's launcher, so it cannot
 compare changes that also move work between the kernels (their launch arguments differ). This
 bench imports the other version's launcher with its own kernel module in place of
 `kernels.context_attention_kernel` (the rest of `kernels` is shared), and times both public
 functions on the same inputs in one process: CUDA graphs over rotated input sets, median of
-replays, as bench/context_attention.py (D 128, Q 16, group 4, 32-token pages). Each output is
+replays, as bench/bench_context_attention.py (D 128, Q 16, group 4, 32-token pages). Each output is
 checked against the torch reference on the first input set. Writes OUT/context_versions.{json,md}.
 """
 
@@ -25,13 +25,13 @@ import sys
 from pathlib import Path
 from unittest import mock
 
-import context_attention as cab  # bench/ is sys.path[0]
 import torch
 import triton
 
 import kernels
+from bench import bench_context_attention as cab
 
-log = logging.getLogger("bench.context_versions")
+log = logging.getLogger("bench.bench_context_versions")
 # (cache, NKV, B, ctx): B 1 from no context to long (split path, one-split requests included), other
 # split batches, and the single pass (B 64)
 CASES = [("bf16", 4, 1, 0), ("bf16", 4, 1, 128), ("bf16", 4, 1, 1024), ("bf16", 4, 1, 8192),
@@ -111,7 +111,7 @@ def main() -> None:
     result = {"device": torch.cuda.get_device_name(), "commit": args.commit, "base_commit": args.base_commit,
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "torch": torch.__version__, "triton": triton.__version__,
-              "command": f"PYTHONPATH=. python bench/context_versions.py {shlex.join(sys.argv[1:])}",
+              "command": f"python -m bench.bench_context_versions {shlex.join(sys.argv[1:])}",
               "rows": []}
     args.out.mkdir(parents=True, exist_ok=True)
     for cache, nkv, batch, ctx in CASES:

@@ -1,6 +1,6 @@
 """Acceptance and batch-1 speedup of a pair (default: the shipped demo pair) on held-out code.
 
-    python bench/demo_speedup.py [--target DIR --drafter DIR] [--prompts 32 --timing-prompts 8]
+    python -m bench.bench_demo_speedup [--target DIR --drafter DIR] [--prompts 32 --timing-prompts 8]
                                  [--max-tokens 128] [--device cpu] [--dtype float32] [--name speedup_cpu]
 
 Greedy, K = block_size - 1, through the real engine (training.evaluate): DFlash,
@@ -104,7 +104,7 @@ def main() -> None:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip()
     meta = {"name": args.name, "date": datetime.date.today().isoformat(), "commit": commit,
-            "command": "python bench/demo_speedup.py " + " ".join(
+            "command": "python -m bench.bench_demo_speedup " + " ".join(
                 f"--{k.replace('_', '-')} {' '.join(v) if isinstance(v, list) else v}"
                 for k, v in vars(args).items() if v is not None),
             "target": target, "drafter": drafter, "dtype": args.dtype, "prompt_len": args.prompt_len,

@@ -1,15 +1,15 @@
 """fp8 cache, MMA operands side by side: the score dot in fp16 (keys widened) or in e4m3 (q in two terms).
 
-    PYTHONPATH=. python bench/fp8_operands.py --out DIR [--commit HASH] [--part paged|context|both]
+    python -m bench.bench_fp8_operands --out DIR [--commit HASH] [--part paged|context|both]
 
 An fp8 (e4m3) cache read by the attention kernels is widened to fp16 for the tensor-core dots
 (`kernels.operands`; widening to q's bf16 instead measured 6-22% slower, bench/results/
 fp8_operands*.md of commit 3dce86e and earlier). With `kernels.operands.FP8_QUERIES` the score dot
 of 64+-row tiles runs in e4m3 on the stored keys, q split into two e4m3 terms. Both run here on
-the same inputs, under CUDA graphs: the paged kernel through bench/paged_attention.py's run_case
+the same inputs, under CUDA graphs: the paged kernel through bench/bench_paged_attention.py's run_case
 (Qwen3-8B geometry, 16-token pages shuffled, each output checked against SDPA over the gathered,
 dequantised K/V) for the cases with 64+-row tiles (q_len 16, prefill), the context kernel through
-bench/context_attention.py (each output checked against the torch reference). Writes
+bench/bench_context_attention.py (each output checked against the torch reference). Writes
 DIR/fp8_operands.{json,md}.
 """
 
@@ -24,16 +24,16 @@ import os
 from pathlib import Path
 from unittest import mock
 
-import context_attention as cab  # bench/ is sys.path[0]
-import paged_attention as pab
 import torch
 import triton
 
 import kernels
+from bench import bench_context_attention as cab
+from bench import bench_paged_attention as pab
 from kernels import operands
 from kernels.paged_tiles import choose_tiles
 
-log = logging.getLogger("bench.fp8_operands")
+log = logging.getLogger("bench.bench_fp8_operands")
 VARIANTS = {"fp16 scores": False, "e4m3 scores": True}  # kernels.operands.FP8_QUERIES
 BASE, NEW = VARIANTS
 
@@ -135,7 +135,7 @@ def main() -> None:
     result = {"device": torch.cuda.get_device_name(), "commit": args.commit,
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "torch": torch.__version__, "triton": triton.__version__,
-              "command": f"PYTHONPATH=. python bench/fp8_operands.py --out DIR --commit {args.commit} "
+              "command": f"python -m bench.bench_fp8_operands --out DIR --commit {args.commit} "
                          f"--part {args.part}",
               "ceilings": pab.ceilings(device, smoke=False), "rows": [], "context": []}
     args.out.mkdir(parents=True, exist_ok=True)

@@ -1,6 +1,6 @@
 """Where the context kernel's time goes at B 1, NKV 4, D 128, Q 16, group 4 (64 rows), bf16.
 
-    PYTHONPATH=. python bench/context_latency.py --out DIR [--commit HASH] [--budget-s 80]
+    python -m bench.bench_context_latency --out DIR [--commit HASH] [--budget-s 80]
         [--parts sweep breakdown tiles]
 
 At ctx 8192 one call (split kernel + merge) took about 17.4 us under CUDA graphs on an H200, while
@@ -9,10 +9,10 @@ it (bench/results/context_attention_notes.md). This bench separates the fixed co
 per-byte cost and the two kernels from each other: (1) the full call under CUDA graphs for ctx
 0..32768 x forced split counts (ctx 0 gives the fixed cost; a forced count of 1 is the single-pass
 kernel, no merge); (2) per-kernel device time of the split kernel and of the merge (torch.profiler,
-eager, as bench/latency_ablation.py's breakdowns) at the default split count, with PDL on and off,
+eager, as bench/bench_latency_ablation.py's breakdowns) at the default split count, with PDL on and off,
 next to the graph time of the same call; (3) the split path's launch configs (merge tiles and
 chunk, `CONFIGS`) at `TILE_CONTEXTS`, for B 1 and a few other split batches (`TILE_CASES`). Timing and
-inputs are bench/context_attention.py's (graphs over rotated input sets, median of replays). Writes
+inputs are bench/bench_context_attention.py's (graphs over rotated input sets, median of replays). Writes
 DIR/context_latency.{json,md}.
 """
 
@@ -30,17 +30,17 @@ import sys
 from pathlib import Path
 from unittest import mock
 
-import context_attention as cab  # bench/ is sys.path[0]
-import latency_ablation as la
 import torch
 import triton
 from triton.runtime.errors import OutOfResources
 
 import kernels
+from bench import bench_context_attention as cab
+from bench import bench_latency_ablation as la
 from kernels import context_attention as ca
 from kernels import pdl, split_kv
 
-log = logging.getLogger("bench.context_latency")
+log = logging.getLogger("bench.bench_context_latency")
 NKV, DTYPE = 4, "bf16"
 ROWS_PAD = max(16, triton.next_power_of_2(cab.NUM_Q * cab.GROUP))
 CONTEXTS = (0, 128, 1024, 4096, 8192, 32768)
@@ -201,7 +201,7 @@ def main() -> None:
     result = {"device": torch.cuda.get_device_name(), "commit": args.commit,
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "torch": torch.__version__, "triton": triton.__version__, "pdl_available": pdl.use_pdl(device),
-              "command": f"PYTHONPATH=. python bench/context_latency.py {shlex.join(sys.argv[1:])}".strip(),
+              "command": f"python -m bench.bench_context_latency {shlex.join(sys.argv[1:])}".strip(),
               "copy_bw": cab.copy_bandwidth(device), "default_splits": split_kv.plan_max_splits(NKV, device),
               "sweep": [], "breakdown": [], "tiles": []}
     torch.cuda.empty_cache()

@@ -13,9 +13,9 @@ short tile sweep on three representative shapes runs first (unless --no-sweep); 
 its winners. The copy ceiling is the fastest of an eager copy and an SM copy kernel in a graph:
 a copy captured in a graph becomes a memcpy node, which ran at ~2.7 TB/s on the H200 here.
 
-    PYTHONPATH=. python bench/paged_attention.py --out DIR [--commit HASH] [--budget-s 300]
-    PYTHONPATH=. python bench/paged_attention.py --plot DIR/paged_attention.json   # redraw PNG + md
-    PYTHONPATH=. python bench/paged_attention.py --smoke --out DIR   # tiny, CPU interpreter ok
+    python -m bench.bench_paged_attention --out DIR [--commit HASH] [--budget-s 300]
+    python -m bench.bench_paged_attention --plot DIR/paged_attention.json   # redraw PNG + md
+    python -m bench.bench_paged_attention --smoke --out DIR   # tiny, CPU interpreter ok
 
 Writes DIR/paged_attention.{json,md,png}; progress goes to the log.
 """
@@ -39,13 +39,13 @@ if "--smoke" in sys.argv and not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 
 import triton
-from paged_attention_report import annotate, markdown, plot, summary  # bench/ is sys.path[0]
 from torch.nn.attention.bias import causal_lower_right
 
+from bench.bench_paged_attention_report import annotate, markdown, plot, summary
 from kernels.paged_attention import _launch_paged_attention
 from kernels.paged_tiles import TileConfig, choose_tiles, default_tiles
 
-log = logging.getLogger("bench.paged_attention")
+log = logging.getLogger("bench.bench_paged_attention")
 
 FULL = dict(heads=32, kv_heads=8, head_dim=128, tpb=16, batches=(1, 8, 32, 128, 256),
             contexts=(2048, 8192, 32768), q_lens=(1, 8, 16), prefill=8192)
@@ -333,7 +333,8 @@ def main(argv=None) -> None:
     now = datetime.datetime.now(datetime.timezone.utc).isoformat()
     result = dict(meta=dict(device=name, commit=args.commit, date=now,
                             torch=torch.__version__, triton=triton.__version__,
-                            command="PYTHONPATH=. python " + " ".join(sys.argv), geometry=geo))
+                            command="python -m bench.bench_paged_attention " + " ".join(sys.argv[1:]),
+                            geometry=geo))
     first = ceilings(device, args.smoke)
     result.update(run_all(geo, device, deadline, do_sweep=not args.no_sweep))
     last = ceilings(device, args.smoke)  # again, warm: the higher of the two is the ceiling

@@ -1,6 +1,6 @@
 """Attention kernel sources side by side: the working tree against other versions, one process.
 
-    PYTHONPATH=. python bench/kernel_variants.py --out DIR --variant base=DIR1 [--variant NAME=DIR2 ...]
+    python -m bench.bench_kernel_variants --out DIR --variant base=DIR1 [--variant NAME=DIR2 ...]
         [--commit HASH] [--part paged|context|both|shapes] [--cache bf16|fp8] [--q-len N] [--budget-s 420]
 
 A variant directory holds `paged_attention_kernel.py` and/or `context_attention_kernel.py` (or,
@@ -13,9 +13,9 @@ kernels) while its column is timed, so every column runs the same launcher, tile
 on the same inputs. A variant without a file for a kernel reuses the working tree's; constexpr
 keywords the launcher passes that an older variant does not declare are dropped for it.
 
-Timing is bench/paged_attention.py's (Qwen3-8B geometry, 16-token pages shuffled, one CUDA graph
+Timing is bench/bench_paged_attention.py's (Qwen3-8B geometry, 16-token pages shuffled, one CUDA graph
 over rotated block tables, median of replays; outputs checked against SDPA over the gathered K/V
-where B x ctx <= 1M) and bench/context_attention.py's (D 128, Q 16, group 4, 32-token pages).
+where B x ctx <= 1M) and bench/bench_context_attention.py's (D 128, Q 16, group 4, 32-token pages).
 After the source variants (paged, then context), launch-shape variants of the working tree's
 paged kernel run on the same inputs (`SHAPE_VARIANTS`: other tiles, a forced split count), each
 next to the default, then tiles of the context kernel's single pass (`CONTEXT_SHAPES`, with
@@ -39,16 +39,16 @@ import time
 from pathlib import Path
 from unittest import mock
 
-import context_attention as cab  # bench/ is sys.path[0]
-import paged_attention as pab
 import torch
 import triton
 
+from bench import bench_context_attention as cab
+from bench import bench_paged_attention as pab
 from kernels import context_attention as ca
 from kernels import split_kv
 from kernels.paged_tiles import TileConfig, default_tiles
 
-log = logging.getLogger("bench.kernel_variants")
+log = logging.getLogger("bench.bench_kernel_variants")
 pa = importlib.import_module("kernels.paged_attention")  # the package exports a function of that name
 NOW = "now"
 # (cache, q_len, B, ctx): decode, verify and the 8k prefill, where the targets are missed
@@ -300,7 +300,7 @@ def main() -> None:
     result = {"device": torch.cuda.get_device_name(), "commit": args.commit,
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "torch": torch.__version__, "triton": triton.__version__, "variants": described,
-              "command": "PYTHONPATH=. python bench/kernel_variants.py --out DIR "
+              "command": "python -m bench.bench_kernel_variants --out DIR "
                          + " ".join(f"--variant {v}" for v in args.variant)
                          + f" --commit {args.commit} --part {args.part}"
                          + (f" --cache {args.cache}" if args.cache else "")

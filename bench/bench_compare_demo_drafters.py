@@ -1,6 +1,6 @@
 """Two drafters for the demo target, evaluated on the SAME held-out prompts (several prompt seeds).
 
-    python bench/compare_demo_drafters.py DRAFTER_A DRAFTER_B [--seeds 0 1] [--out FILE.json]
+    python -m bench.bench_compare_demo_drafters DRAFTER_A DRAFTER_B [--seeds 0 1] [--out FILE.json]
 
 Acceptance (K = 15, greedy, 128 new tokens, float32) through the engine, prompt lookup beside it,
 and the batch-1 speed against plain decoding, per prompt set.

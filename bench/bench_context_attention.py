@@ -9,9 +9,9 @@ than 4x the L2 so every launch reads HBM), divided by the set count, median over
 It also shows graph safety (capture once, replay at other lengths, compare with the reference),
 that new batch sizes do not recompile, and a small tile sweep.
 
-    PYTHONPATH=. python bench/context_attention.py --out DIR [--budget-s 330] [--commit HASH]
+    python -m bench.bench_context_attention --out DIR [--budget-s 330] [--commit HASH]
 
-Writes DIR/context_attention.{json,md,png} (the report: context_attention_report.py); progress
+Writes DIR/context_attention.{json,md,png} (the report: bench_context_attention_report.py); progress
 goes to the log.
 """
 
@@ -29,13 +29,13 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from context_attention_report import markdown, plot  # bench/ is sys.path[0]
 
 import kernels
+from bench.bench_context_attention_report import markdown, plot
 from kernels import context_attention as ca
 from kernels import context_attention_kernel, split_kv
 
-log = logging.getLogger("bench.context_attention")
+log = logging.getLogger("bench.bench_context_attention")
 
 NUM_Q, GROUP, HEAD_DIM, TPB = 16, 4, 128, 32
 BATCHES, CONTEXTS, KV_HEADS, DTYPES = (1, 4, 16, 64, 256), (2048, 8192, 32768), (4, 8), ("bf16", "fp8")
@@ -298,7 +298,7 @@ def main() -> None:
     parser.add_argument("--commit", default="unknown")
     parser.add_argument("--command", help="the command to record (default: this one's arguments)")
     args = parser.parse_args()
-    args.command = args.command or "PYTHONPATH=. python " + " ".join(sys.argv)
+    args.command = args.command or "python -m bench.bench_context_attention " + " ".join(sys.argv[1:])
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     device, gen = torch.device("cuda"), torch.Generator().manual_seed(0)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -1,7 +1,7 @@
 """Small-batch latency fixes, ablated cumulatively in one process: PDL, merge in the last split,
 one-load sequence search.
 
-    PYTHONPATH=. python bench/latency_ablation.py --out DIR [--commit HASH]
+    python -m bench.bench_latency_ablation --out DIR [--commit HASH]
 
 Small batches are latency bound: dependent kernels (split, merge), their launch gap, and chains
 of dependent loads in each program cost as much as the bytes. Three remedies, each behind a
@@ -14,8 +14,8 @@ switch read at launch, are added one at a time:
 - `kernels.paged_attention.SEQ_SEARCH`: each program of a verify or prefill batch finds its
   sequence with one load of 64 query_start_loc entries (1: the binary search, log2(B) dependent
   loads; pure decode batches always bisect, the rule set after the first run of this bench).
-Every variant runs on the same inputs, under CUDA graphs, with pab's timer (bench/paged_attention.py:
-Qwen3-8B geometry) and cab's (bench/context_attention.py: D 128, Q 16, group 4), next to SDPA over
+Every variant runs on the same inputs, under CUDA graphs, with pab's timer (bench/bench_paged_attention.py:
+Qwen3-8B geometry) and cab's (bench/bench_context_attention.py: D 128, Q 16, group 4), next to SDPA over
 the same K/V gathered dense.
 
 Two ways to time a call: back to back (the graph holds only attention calls, as the kernel
@@ -36,17 +36,17 @@ import logging
 import os
 from pathlib import Path
 
-import context_attention as cab  # bench/ is sys.path[0]
-import paged_attention as pab
 import torch
 import triton
 
 import kernels
+from bench import bench_context_attention as cab
+from bench import bench_paged_attention as pab
 from kernels import pdl, split_kv
 from kernels.paged_attention import _launch_paged_attention
 from kernels.paged_tiles import choose_tiles
 
-log = logging.getLogger("bench.latency_ablation")
+log = logging.getLogger("bench.bench_latency_ablation")
 paged_module = importlib.import_module("kernels.paged_attention")
 DEFAULTS = {"pdl": pdl.ENABLED, "fused": paged_module.FUSED_MERGE_MAX_SPLITS,
             "search": paged_module.SEQ_SEARCH}
@@ -266,7 +266,7 @@ def main() -> None:
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "torch": torch.__version__, "triton": triton.__version__,
               "pdl_available": pdl.use_pdl(device),
-              "command": f"PYTHONPATH=. python bench/latency_ablation.py --out DIR --commit {args.commit}"}
+              "command": f"python -m bench.bench_latency_ablation --out DIR --commit {args.commit}"}
     args.out.mkdir(parents=True, exist_ok=True)
     result.update(ceilings=pab.ceilings(device, smoke=False), breakdowns=[], paged=[], context=[])
     stages = [("breakdowns", lambda: breakdowns(device, torch.Generator().manual_seed(1)))]

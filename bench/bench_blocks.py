@@ -5,7 +5,7 @@ the accepted count plus one, with the new token ids (so full blocks are hashed a
 floor printed beside it is a bare Python loop that touches each sequence once (a dict lookup and two
 attribute writes): the least any per-sequence Python bookkeeping can cost.
 
-    .venv/bin/python bench/blocks.py --out bench/results/blocks_cpu.md
+    .venv/bin/python -m bench.bench_blocks --out bench/results/blocks_cpu.md
 """
 
 from __future__ import annotations
@@ -20,8 +20,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvpool_service.blocks import BlockManager, CommitRequest, OpenRequest, ReserveRequest
 
@@ -116,7 +114,7 @@ def main() -> int:
     table.append(f"| floor: bare loop over {args.seqs} records | {floor:.1f} | |")
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                             cwd=Path(__file__).parent).stdout.strip() or "unknown"
-    command = "python bench/blocks.py " + " ".join(sys.argv[1:])
+    command = "python -m bench.bench_blocks " + " ".join(sys.argv[1:])
     report = "\n".join([
         "# BlockManager: batched reserve + commit, one decode step", "",
         f"- machine: {machine()}", f"- command: `{command}`", f"- commit: {commit}",

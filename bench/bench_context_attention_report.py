@@ -1,4 +1,4 @@
-"""The report of bench/context_attention.py: the markdown tables and the PNG."""
+"""The report of bench/bench_context_attention.py: the markdown tables and the PNG."""
 
 from __future__ import annotations
 
