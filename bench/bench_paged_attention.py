@@ -60,7 +60,7 @@ PREFILL_SWEEP = [(256, 64, 8, 3), (256, 64, 8, 2), (256, 32, 8, 3), (256, 64, 16
                  (128, 64, 8, 3)]
 # (block_m, block_n, num_warps, num_stages); the first run's sweep (bench/results) ruled out 64-row
 # prefill tiles and 32-key tiles of 128 rows. 256 x 32 and 16 warps: the adopted 256 x 64 tile spills
-# registers on 8 warps (bench/kernel_sass.py), these do not or less.
+# registers on 8 warps (bench/bench_kernel_sass.py), these do not or less.
 
 
 class Deadline:

@@ -15,7 +15,7 @@ ceilings measured in the same runs, the time each resource would need alone:
   fp16, two values per instruction.
 
 MUFU and conversions issue at 16 per clock per SM on sm_90 (the CUDA guide's throughput table; the
-offline sm_90 builds put both on that pipe, `bench/kernel_sass.py`), at the H200's 1.98 GHz SM clock.
+offline sm_90 builds put both on that pipe, `bench/bench_kernel_sass.py`), at the H200's 1.98 GHz SM clock.
 Two estimates come out. *In order*: the SM's tensor cores and its 16-per-clock pipe take turns, as
 a softmax loop does when every warpgroup waits on its own dots and the CTA's barriers keep warpgroups
 in step (Triton 3.6 generates no warp specialisation for this loop on sm_90); loads overlap. *Overlapped*:

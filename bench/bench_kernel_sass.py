@@ -1,6 +1,6 @@
 """Offline sm_90 build of the attention kernels: an instruction histogram, no GPU needed.
 
-    python -m bench.kernel_sass [--kernel paged|context] [--cache fp8|bf16]
+    python -m bench.bench_kernel_sass [--kernel paged|context] [--cache fp8|bf16]
         [--tile Q,M,N] [--rows R] [--warps W] [--stages S] [--split] [--no-cvt-asm] [--fp8-q]
         [--key-lanes L] [--source FILE] [--keep DIR] [--loop] [--top N]
 
