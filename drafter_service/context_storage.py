@@ -27,8 +27,8 @@ class PagedContext:
                      target_slots: torch.Tensor) -> torch.Tensor:
         return target_slots
 
-    def block_table(self, seq_slots: torch.Tensor, target_block_table: torch.Tensor) -> torch.Tensor:
-        return target_block_table
+    def block_table(self, seq_slots: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
+        return block_table
 
 
 class DenseContext:
@@ -61,6 +61,7 @@ class DenseContext:
         slots = seq_slots * (self.pages_per_seq * self.tokens_per_block) + positions
         return torch.where(target_slots == PAD_SLOT, torch.full_like(slots, PAD_SLOT), slots)
 
-    def block_table(self, seq_slots: torch.Tensor, target_block_table: torch.Tensor) -> torch.Tensor:
+    def block_table(self, seq_slots: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
+        """Each slot's own run of pseudo-pages; the pool's block table is not used."""
         pages = torch.arange(self.pages_per_seq, device=seq_slots.device, dtype=torch.int32)
         return (seq_slots[:, None].to(torch.int32) * self.pages_per_seq + pages).contiguous()

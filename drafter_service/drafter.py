@@ -1,8 +1,10 @@
 """DraftWorker: the drafter service's domain object (the Ray actor will only delegate to it).
 
-It owns the draft model and the context storage, and offers the two calls a step needs:
-`store_context` after the target ran (taps of committed tokens -> context K/V) and `propose` before
-the target verifies (noise block -> K draft tokens). Metadata comes in as plain tensors.
+It owns the draft model, the target's embedding and lm_head tables (loaded by the drafter from the
+target checkpoint), the context storage and the attached step buffers, and implements
+`DraftControl`: `store_context` after the target ran (taps of committed tokens -> context K/V) and
+`propose` before the target verifies (noise block -> K draft tokens). Both read their inputs from
+the step buffers and the drafts go back the same way.
 """
 
 from __future__ import annotations
@@ -11,13 +13,16 @@ import torch
 
 from drafter_service.draft_batch import DraftBatch
 from drafter_service.model import DFlashDrafter
+from drafter_service.step_buffers import StepBuffers
 
 
 class DraftWorker:
-    def __init__(self, model: DFlashDrafter, context, *, embed: torch.Tensor, lm_head: torch.Tensor):
+    def __init__(self, model: DFlashDrafter, context, buffers: StepBuffers, *, embed: torch.Tensor,
+                 lm_head: torch.Tensor):
         """context: a PagedContext or DenseContext; embed / lm_head: the target's [V, H] tables."""
         self.model = model
         self.context = context
+        self.buffers = buffers
         self.embed = embed
         self.lm_head = lm_head
 
@@ -25,25 +30,24 @@ class DraftWorker:
     def block_size(self) -> int:
         return self.model.block_size
 
-    def store_context(self, taps: torch.Tensor, positions: torch.Tensor, seq_slots: torch.Tensor,
-                      target_slots: torch.Tensor) -> None:
-        """Project taps [N, n_taps*H] of committed tokens and write them at their positions.
-
-        seq_slots [N]: each row's sequence slot; target_slots [N]: its target slot (-1: skip the row).
-        """
-        if taps.shape[0] == 0:
+    def store_context(self, num_rows: int) -> None:
+        self.buffers.check_context_rows(num_rows)
+        if num_rows == 0:
             return
-        slots = self.context.slot_mapping(seq_slots, positions, target_slots)
-        self.model.project_context(taps, positions, slots, self.context.caches)
+        b = self.buffers
+        positions = b.context_positions[:num_rows]
+        seq_slots, slots = b.context_seq_slots[:num_rows], b.context_slots[:num_rows]
+        slots = self.context.slot_mapping(seq_slots, positions, slots)
+        self.model.project_context(b.taps[:num_rows], positions, slots, self.context.caches)
 
-    def propose(self, bonus_tokens: torch.Tensor, start_positions: torch.Tensor, seq_slots: torch.Tensor,
-                target_block_table: torch.Tensor, num_speculative_tokens: int) -> torch.Tensor:
-        """Draft tokens [B, K]; each sequence's context is positions 0..start-1."""
+    def propose(self, num_seqs: int, num_draft: int, num_block_cols: int) -> None:
+        self.buffers.check_propose(num_seqs, num_draft, num_block_cols)
+        b = self.buffers
+        starts, seq_slots = b.start_positions[:num_seqs], b.seq_slots[:num_seqs]
         batch = DraftBatch(
-            bonus_tokens=bonus_tokens, start_positions=start_positions,
-            block_table=self.context.block_table(seq_slots, target_block_table),
-            ctx_lens=start_positions.to(torch.int32),
+            bonus_tokens=b.bonus_tokens[:num_seqs], start_positions=starts,
+            block_table=self.context.block_table(seq_slots, b.block_table[:num_seqs, :num_block_cols]),
+            ctx_lens=starts.to(torch.int32),
         )
-        output = self.model.propose(batch, self.context.caches, self.embed, self.lm_head,
-                                    num_speculative_tokens)
-        return output.tokens
+        output = self.model.propose(batch, self.context.caches, self.embed, self.lm_head, num_draft)
+        b.draft_tokens[:num_seqs, :num_draft].copy_(output.tokens)

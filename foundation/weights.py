@@ -19,7 +19,7 @@ from typing import NamedTuple
 import torch
 from safetensors import safe_open
 
-from foundation.checkpoint_config import DTYPE_NAMES, ConfigError
+from foundation.checkpoint_config import DTYPE_NAMES, ConfigError, TargetConfig
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +39,19 @@ class WeightSlot(NamedTuple):
     param: str
     row: int
     shape: tuple[int, ...]
+
+
+def token_tables_layout(config: TargetConfig) -> dict[str, WeightSlot]:
+    """The target's embedding and output tables by their HF names (no lm_head tensor when tied).
+
+    Both the target and the drafter load these (the drafter embeds its noise block and scores its
+    drafts with the target's tables), each from the target checkpoint.
+    """
+    shape = (config.vocab_size, config.hidden_size)
+    layout = {"model.embed_tokens.weight": WeightSlot("embed_tokens", 0, shape)}
+    if not config.tie_word_embeddings:
+        layout["lm_head.weight"] = WeightSlot("lm_head", 0, shape)
+    return layout
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, default_name: str) -> torch.dtype:
@@ -117,8 +130,10 @@ class TensorIndex:
                     yield name, handle.get_tensor(name)
 
 
-def check_tensors(index: TensorIndex, layout: Mapping[str, WeightSlot], what: str) -> None:
-    """Raise one CheckpointError naming every missing or mis-shaped tensor; warn about extra ones."""
+def check_tensors(index: TensorIndex, layout: Mapping[str, WeightSlot], what: str, *,
+                  warn_unused: bool = True) -> None:
+    """Raise one CheckpointError naming every missing or mis-shaped tensor; warn about extra ones
+    (unless the caller reads a part of the checkpoint on purpose: `warn_unused=False`)."""
     missing = [name for name in layout if name not in index]
     misshaped = [
         f"{name} {list(index.shape(name))} (expected {list(slot.shape)})"
@@ -132,7 +147,7 @@ def check_tensors(index: TensorIndex, layout: Mapping[str, WeightSlot], what: st
         problems.append(f"mis-shaped tensors {_listing(misshaped)}")
     if problems:
         raise CheckpointError(f"{index.directory}: does not hold a {what}: {'; '.join(problems)}")
-    unexpected = [name for name in index.names() if name not in layout]
+    unexpected = [name for name in index.names() if name not in layout] if warn_unused else []
     if unexpected:
         logger.warning("%s: ignoring %d unused tensors: %s", index.directory, len(unexpected),
                        _listing(unexpected))

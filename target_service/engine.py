@@ -6,9 +6,9 @@ pages, positions n..n+K for a sequence with n committed tokens); the target veri
 [bonus, d1..dK]; the longest agreeing prefix plus one target token is emitted; the taps of the
 accepted rows (and of every prefill row) become draft context at their own positions.
 
-The pool, the drafter and the target sit behind the interfaces the three services use (the pool's
-batched verbs, DraftWorker, the target's forward), so splitting them into processes changes
-nothing here.
+The pool and the drafter sit behind the protocols the services meet through (`PoolControl`,
+`DraftControl`); the drafter's inputs and drafts pass through the step buffers both sides map, so
+splitting the services into processes changes nothing here.
 """
 
 from __future__ import annotations
@@ -18,7 +18,10 @@ from dataclasses import dataclass
 
 import torch
 
+from drafter_service.control import DraftControl
+from drafter_service.step_buffers import StepBuffers
 from kernels import PAD_SLOT
+from kvpool_service.control import PoolLimits
 from target_service.forward_batch import SeqChunk, pack
 from target_service.outputs import SpecDecodeStats
 from target_service.sampling import accept_drafts, choose_tokens
@@ -39,14 +42,16 @@ class _Rows:
 
 
 class LLMEngine:
-    def __init__(self, target, target_caches, scheduler: Scheduler, *, tokens_per_block: int,
-                 num_blocks: int, drafter=None, stop_checker: StopChecker, seed: int | None = None):
+    def __init__(self, target, target_caches, scheduler: Scheduler, *, limits: PoolLimits,
+                 drafter: DraftControl | None = None, step_buffers: StepBuffers | None = None,
+                 stop_checker: StopChecker, seed: int | None = None):
         self.target = target
-        self.num_blocks = num_blocks
         self.target_caches = target_caches
         self.scheduler = scheduler
-        self.tokens_per_block = tokens_per_block
+        self.limits = limits
+        self.tokens_per_block = limits.tokens_per_block
         self.drafter = drafter
+        self.step_buffers = step_buffers
         self.stop_checker = stop_checker
         self.device = target.embed_weight.device
         self.generator = torch.Generator(self.device)
@@ -91,8 +96,8 @@ class LLMEngine:
             raise ValueError(f"the prompt has {count} tokens; max_model_len is {max_model_len} and one "
                              "position is needed for the first generated token")
         tokens = min(max_model_len, count + params.max_tokens + self.scheduler.num_speculative_tokens)
-        blocks = -(-tokens // self.tokens_per_block)
-        usable = self.num_blocks - getattr(self.scheduler.pool, "watermark_blocks", 0)
+        blocks = self.limits.blocks_for(tokens)
+        usable = self.limits.max_blocks_per_seq
         if blocks > usable:
             raise ValueError(f"the request needs up to {blocks} blocks ({count} prompt tokens, max_tokens "
                              f"{params.max_tokens}); the pool has {usable} for one request: give it more "
@@ -130,15 +135,11 @@ class LLMEngine:
             return {}
         num_draft = max(work.num_draft for work in drafting)
         seqs = [work.seq for work in drafting]
-        max_blocks = max(len(seq.block_table) for seq in seqs)
-        table = torch.tensor([seq.block_table + [0] * (max_blocks - len(seq.block_table)) for seq in seqs],
-                             dtype=torch.int32, device=self.device)
-        tokens = self.drafter.propose(
-            bonus_tokens=self._tensor([seq.bonus_token for seq in seqs]),
-            start_positions=self._tensor([seq.num_computed for seq in seqs]),
-            seq_slots=self._tensor([seq.slot for seq in seqs]),
-            target_block_table=table, num_speculative_tokens=num_draft,
-        ).tolist()
+        columns = self.step_buffers.stage_propose(
+            [seq.bonus_token for seq in seqs], [seq.num_computed for seq in seqs], [seq.slot for seq in seqs],
+            [seq.block_table for seq in seqs])
+        self.drafter.propose(len(seqs), num_draft, columns)
+        tokens = self.step_buffers.draft_tokens[:len(seqs), :num_draft].tolist()
         return {work.seq.seq_id: row[: work.num_draft] for work, row in zip(drafting, tokens)}
 
     def _chunks(self, plan: SchedulerOutput, drafts: dict[int, list[int]]):
@@ -148,7 +149,8 @@ class LLMEngine:
         for work in plan.decodes:
             seq = work.seq
             tokens = [seq.bonus_token, *drafts.get(seq.seq_id, [])]
-            chunks.append(SeqChunk(tokens, seq.num_computed, seq.block_table, len(tokens), len(tokens) * taps))
+            num_rows = len(tokens)
+            chunks.append(SeqChunk(tokens, seq.num_computed, seq.block_table, num_rows, num_rows * taps))
         for chunk in plan.prefills:
             seq = chunk.seq
             tokens = seq.token_ids[chunk.start: chunk.start + chunk.num_tokens]
@@ -189,19 +191,15 @@ class LLMEngine:
         """One drafter call: every tap row of the step, rows past an accepted prefix skipped."""
         if self.drafter is None or taps.shape[0] == 0:
             return
-        positions = torch.zeros(taps.shape[0], dtype=torch.long)
-        seq_slots = torch.zeros(taps.shape[0], dtype=torch.long)
-        slots = torch.full((taps.shape[0],), PAD_SLOT, dtype=torch.long)
-        tpb = self.tokens_per_block
+        num_rows, tpb = taps.shape[0], self.tokens_per_block
+        positions, seq_slots, slots = [0] * num_rows, [0] * num_rows, [PAD_SLOT] * num_rows
         for seq, start, tap_rows, keep in context_rows:
-            count = tap_rows.stop - tap_rows.start
-            pos = torch.arange(start, start + count)
-            blocks = torch.tensor(seq.block_table, dtype=torch.long)
-            target_slots = blocks[(pos // tpb).clamp(max=len(seq.block_table) - 1)] * tpb + pos % tpb
-            target_slots[keep:] = PAD_SLOT
-            positions[tap_rows], seq_slots[tap_rows], slots[tap_rows] = pos, seq.slot, target_slots
-        self.drafter.store_context(taps, positions.to(self.device), seq_slots.to(self.device),
-                                   slots.to(self.device))
+            for offset, row in enumerate(range(tap_rows.start, tap_rows.stop)):
+                position = start + offset
+                positions[row], seq_slots[row] = position, seq.slot
+                if offset < keep:
+                    slots[row] = seq.block_table[position // tpb] * tpb + position % tpb
+        self.drafter.store_context(self.step_buffers.stage_context(taps, positions, seq_slots, slots))
 
     # ---- helpers --------------------------------------------------------------------------------
 
@@ -216,9 +214,6 @@ class LLMEngine:
 
     def _generator(self, seq: Sequence) -> torch.Generator:
         return seq.generator if seq.generator is not None else self.generator
-
-    def _tensor(self, values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.long, device=self.device)
 
 
 def _scheduled(plan: SchedulerOutput) -> list[Sequence]:

@@ -6,7 +6,8 @@ import itertools
 from collections.abc import Sequence as Seq
 
 from target_service.demo import resolve_pair
-from target_service.engine_builder import EngineArgs, build_engine
+from target_service.engine_args import EngineArgs
+from target_service.in_process import build_engine
 from target_service.outputs import CompletionOutput, RequestOutput, SpecDecodeStats
 from target_service.sampling_params import SamplingParams
 from target_service.sequence import Sequence
@@ -37,7 +38,8 @@ class LLM:
             tokens_per_block=tokens_per_block, enable_prefix_caching=enable_prefix_caching, seed=seed,
             max_num_batched_tokens=max_num_batched_tokens,
         )
-        self.engine, self.tokenizer, self.memory = build_engine(self.args)
+        self.assembly = build_engine(self.args)
+        self.engine, self.tokenizer = self.assembly.engine, self.assembly.tokenizer
         self._ids = itertools.count()
 
     @property
@@ -62,7 +64,7 @@ class LLM:
         return outputs
 
     def close(self) -> None:
-        self.memory.close()
+        self.assembly.close()
 
     # ---- helpers --------------------------------------------------------------------------------
 

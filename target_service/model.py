@@ -21,7 +21,7 @@ from torch import nn
 
 from foundation.checkpoint_config import TargetConfig
 from foundation.layer_cache import LayerCache, as_layer_caches
-from foundation.weights import WeightSlot, empty_param
+from foundation.weights import WeightSlot, empty_param, token_tables_layout
 from kernels import paged_attention, store_kv
 from kernels.layers import RotaryEmbedding, apply_rope, rms_norm, swiglu
 from target_service.forward_batch import ForwardBatch
@@ -88,12 +88,7 @@ def target_weight_layout(config: TargetConfig) -> dict[str, WeightSlot]:
     """HF tensor name -> where it lands in TargetModel (fused q/k/v and gate/up rows)."""
     hidden, inter, head_dim = config.hidden_size, config.intermediate_size, config.head_dim
     q_rows, kv_rows = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
-    layout = {
-        "model.embed_tokens.weight": WeightSlot("embed_tokens", 0, (config.vocab_size, hidden)),
-        "model.norm.weight": WeightSlot("norm", 0, (hidden,)),
-    }
-    if not config.tie_word_embeddings:
-        layout["lm_head.weight"] = WeightSlot("lm_head", 0, (config.vocab_size, hidden))
+    layout = {**token_tables_layout(config), "model.norm.weight": WeightSlot("norm", 0, (hidden,))}
     for i in range(config.num_hidden_layers):
         src, dst = f"model.layers.{i}.", f"layers.{i}."
         attn = {"q": (0, q_rows), "k": (q_rows, kv_rows), "v": (q_rows + kv_rows, kv_rows)}

@@ -3,7 +3,7 @@
 For each sequence, find the most recent earlier occurrence of its last n tokens (n from
 `max_ngram` down to `min_ngram`) and propose the K tokens that followed it, copying on through the
 proposal itself when the match runs into the present (so a periodic run continues its period).
-It plugs into the engine where the DFlash DraftWorker sits (`store_context` / `propose`), so its
+It plugs into the engine where the DFlash DraftWorker sits (`DraftControl`), so its
 acceptance is measured by the same verify step, on the same prompts.
 """
 
@@ -37,14 +37,16 @@ class PromptLookupDrafter:
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
         self.block_size = engine.drafter.block_size if engine.drafter is not None else 16
 
-    def store_context(self, taps, positions, seq_slots, target_slots) -> None:
+    def store_context(self, num_rows: int) -> None:
         """Nothing to store: the proposal is read off the tokens."""
 
-    def propose(self, bonus_tokens, start_positions, seq_slots, target_block_table, num_speculative_tokens):
+    def propose(self, num_seqs: int, num_draft: int, num_block_cols: int) -> None:
+        """Drafts for the step buffers' first num_seqs sequences, written where the engine reads them."""
+        buffers = self.engine.step_buffers
         by_slot = {seq.slot: seq for seq in self.engine.scheduler.running}
         rows = []
-        for slot, start in zip(seq_slots.tolist(), start_positions.tolist()):
+        slots, starts = buffers.seq_slots[:num_seqs].tolist(), buffers.start_positions[:num_seqs].tolist()
+        for slot, start in zip(slots, starts):
             tokens = by_slot[slot].token_ids[: start + 1]  # up to and including the bonus
-            rows.append(lookup(tokens, num_speculative_tokens, max_ngram=self.max_ngram,
-                               min_ngram=self.min_ngram))
-        return torch.tensor(rows, dtype=torch.long, device=start_positions.device)
+            rows.append(lookup(tokens, num_draft, max_ngram=self.max_ngram, min_ngram=self.min_ngram))
+        buffers.draft_tokens[:num_seqs, :num_draft].copy_(torch.tensor(rows))

@@ -20,13 +20,13 @@ def pool_transport(request, monkeypatch):
     build = llm_module.build_engine
 
     def build_with_remote_pool(args):
-        engine, tokenizer, memory = build(args)
-        server = BackgroundServer(engine.scheduler.pool, memory.layout).start()
+        assembly = build(args)
+        server = BackgroundServer(assembly.pool.blocks, assembly.pool.layout).start()
         servers.append(server)
         client = KVPoolClient(server.address)
         client.connect()
-        engine.scheduler.pool = client
-        return engine, tokenizer, memory
+        assembly.engine.scheduler.pool = client
+        return assembly
 
     monkeypatch.setattr(llm_module, "build_engine", build_with_remote_pool)
     yield "remote"

@@ -48,17 +48,20 @@ class OracleDrafter:
     def _seq_at(self, slot: int):
         return next(seq for seq in self.engine.scheduler.running if seq.slot == slot)
 
-    def store_context(self, taps, positions, seq_slots, target_slots):
-        for position, slot, target_slot in zip(positions.tolist(), seq_slots.tolist(), target_slots.tolist()):
+    def store_context(self, num_rows):
+        buffers = self.engine.step_buffers
+        rows = zip(buffers.context_positions[:num_rows].tolist(), buffers.context_seq_slots[:num_rows].tolist(),
+                   buffers.context_slots[:num_rows].tolist())
+        for position, slot, target_slot in rows:
             if target_slot != -1:
                 self.stored.setdefault(self._seq_at(slot).seq_id, []).append(position)
-        self.inner.store_context(taps, positions, seq_slots, target_slots)
+        self.inner.store_context(num_rows)
 
-    def propose(self, bonus_tokens, start_positions, seq_slots, target_block_table, num_speculative_tokens):
-        self.inner.propose(bonus_tokens, start_positions, seq_slots, target_block_table,
-                           num_speculative_tokens)  # the real path still runs on the real pages
-        rows = []
-        for start, slot in zip(start_positions.tolist(), seq_slots.tolist()):
+    def propose(self, num_seqs, num_speculative_tokens, num_block_cols):
+        self.inner.propose(num_seqs, num_speculative_tokens, num_block_cols)  # the real path still runs
+        buffers, rows = self.engine.step_buffers, []
+        starts, slots = buffers.start_positions[:num_seqs].tolist(), buffers.seq_slots[:num_seqs].tolist()
+        for start, slot in zip(starts, slots):
             seq = self._seq_at(slot)
             reference = self.references[tuple(seq.prompt_token_ids)]
             row, corrupted_at = [], None
@@ -73,7 +76,7 @@ class OracleDrafter:
             first_bad = corrupted_at if corrupted_at is not None else num_speculative_tokens
             self.expected_accepted += min(first_bad, usable)
             rows.append(row)
-        return torch.tensor(rows, dtype=torch.long, device=start_positions.device)
+        buffers.draft_tokens[:num_seqs, :num_speculative_tokens].copy_(torch.tensor(rows))
 
     def _usable(self, seq) -> int:
         return self.engine.scheduler.num_draft_tokens(seq)

@@ -29,7 +29,7 @@ def test_pool_budget_from_gpu_memory_utilization(tmp_path):
     target, drafter = make_pair(tmp_path)
     _, total = torch.cuda.mem_get_info()
     llm = LLM(target, drafter, device="cuda", gpu_memory_utilization=0.02, max_num_seqs=4, max_model_len=256)
-    pool_bytes = llm.memory.nbytes
+    pool_bytes = llm.assembly.pool.memory.nbytes
     # the pool takes what 2% of the device leaves after what is in use, never more
     assert 0 < pool_bytes <= 0.02 * total
     assert len(llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4))[0].outputs[0].token_ids) == 4

@@ -100,7 +100,7 @@ def test_preemption_in_a_pool_too_small_for_the_batch(tmp_path, storage):
     dense_bytes = 0 if storage == "paged" else 6 * 128 * 2 * 2 * 2 * 16 * 4
     llm = LLM(target, drafter, num_speculative_tokens=5, context_storage=storage, max_num_seqs=6,
               kv_cache_memory=12 * spec_bytes + dense_bytes, tokens_per_block=16, max_model_len=128)
-    assert llm.engine.num_blocks == 12
+    assert llm.engine.limits.num_blocks == 12
     oracle = OracleDrafter(llm, {tuple(p): p + out for p, out in zip(prompts, expected)})
     got = [out.outputs[0].token_ids for out in llm.generate(prompts, params)]
     assert got == expected

@@ -129,7 +129,7 @@ def test_a_request_too_big_for_the_whole_pool_is_refused_at_submission(pair):
     target, drafter = pair
     # 6 blocks of 16 tokens: 40 prompt tokens + 100 new tokens can never fit, even alone
     llm = speculative(target, drafter, kv_cache_memory=6 * 16 * (1024 + 512), max_model_len=256)
-    assert llm.engine.num_blocks == 6
+    assert llm.engine.limits.num_blocks == 6
     with pytest.raises(ValueError, match="needs up to 9 blocks"):
         llm.generate([[5] * 40], greedy(max_tokens=100))
     assert len(llm.generate([[5] * 40], greedy(max_tokens=40))[0].outputs[0].token_ids) == 40

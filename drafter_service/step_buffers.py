@@ -1,0 +1,180 @@
+"""StepBuffers: the per-step data the target and the drafter exchange, in one buffer both map.
+
+Per step the target writes, and the drafter reads, two sides (DESIGN: nothing large crosses a call):
+
+context side, up to `max_context_rows` rows (every row the target ran this step):
+    taps              [R, tap_width]  the target's tapped hidden states (n_taps * hidden_size)
+    context_positions [R] int64       each row's absolute position
+    context_seq_slots [R] int64       each row's sequence slot (the dense baseline addresses by it)
+    context_slots     [R] int64       each row's pool slot; PAD_SLOT skips the row (rejected drafts)
+propose side, up to `max_num_seqs` rows (one per drafting sequence):
+    bonus_tokens      [S] int64       the newest committed token (slot 0 of the noise block)
+    start_positions   [S] int64       its position; the stored context is positions 0..start-1
+    seq_slots         [S] int64
+    block_table       [S, M] int32    the sequence's block ids, zero-padded to M columns
+    draft_tokens      [S, K] int64    written back by the drafter
+
+The buffer is a `foundation.shared_buffer` buffer: private in the one-process engine, a /dev/shm
+file or a CUDA IPC allocation when the drafter runs in another process. The calls between the two
+(`drafter_service.control.DraftControl`) carry only row counts. Fixed shapes and fixed addresses
+are also what a CUDA graph needs.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, PositiveInt
+
+from foundation.shared_buffer import BufferHandle, OwnedBuffer, map_buffer
+
+ALIGN = 256  # bytes; every field starts on a boundary CUDA kernels like
+_INT = torch.int64
+
+
+class StepBufferLayout(BaseModel):
+    """The sizes of one pair's step buffers; both sides must agree on it exactly."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    max_num_seqs: PositiveInt
+    max_blocks_per_seq: PositiveInt
+    max_num_draft: PositiveInt  # the drafter's block_size - 1
+    max_context_rows: PositiveInt  # the target's max_num_batched_tokens
+    tap_width: PositiveInt  # len(target_layer_ids) * hidden_size
+    tap_dtype: Literal["bfloat16", "float16", "float32"]
+
+    def fields(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Name -> (shape, dtype) of every field, in buffer order."""
+        rows, seqs = self.max_context_rows, self.max_num_seqs
+        return {
+            "taps": ((rows, self.tap_width), getattr(torch, self.tap_dtype)),
+            "context_positions": ((rows,), _INT),
+            "context_seq_slots": ((rows,), _INT),
+            "context_slots": ((rows,), _INT),
+            "bonus_tokens": ((seqs,), _INT),
+            "start_positions": ((seqs,), _INT),
+            "seq_slots": ((seqs,), _INT),
+            "block_table": ((seqs, self.max_blocks_per_seq), torch.int32),
+            "draft_tokens": ((seqs, self.max_num_draft), _INT),
+        }
+
+    def offsets(self) -> tuple[dict[str, int], int]:
+        """Byte offset of every field, and the buffer's total bytes."""
+        offsets, offset = {}, 0
+        for name, (shape, dtype) in self.fields().items():
+            offsets[name] = offset
+            offset = -(-(offset + math.prod(shape) * dtype.itemsize) // ALIGN) * ALIGN
+        return offsets, offset
+
+
+@dataclass(frozen=True)
+class StepBuffersHandle:
+    """What the other side needs to map the step buffers (picklable unless in-process)."""
+
+    layout: StepBufferLayout
+    buffer: BufferHandle
+
+
+class StepBuffers:
+    """Typed views of one pair's step buffers, as their owner (`create`) or attached (`attach`)."""
+
+    def __init__(self, layout: StepBufferLayout, buffer: torch.Tensor, owned: OwnedBuffer | None = None):
+        self.layout = layout
+        self._owned = owned
+        self._buffer = buffer
+        offsets, _ = layout.offsets()
+        for name, (shape, dtype) in layout.fields().items():
+            start = offsets[name]
+            view = buffer[start:start + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
+            setattr(self, name, view)
+
+    @classmethod
+    def create(cls, layout: StepBufferLayout, device: torch.device | str, *, share: bool) -> StepBuffers:
+        """Zeroed buffers on `device`; `share=False` keeps them private to this process."""
+        _, nbytes = layout.offsets()
+        name = f"dflash-step-{os.getpid()}-{os.urandom(6).hex()}"
+        owned = OwnedBuffer.allocate(nbytes, device, share=share, file_name=name)
+        return cls(layout, owned.tensor, owned)
+
+    @classmethod
+    def attach(cls, handle: StepBuffersHandle, expected: StepBufferLayout) -> StepBuffers:
+        """Map the buffers behind `handle`; refuse them unless their layout is exactly `expected`."""
+        if not isinstance(handle, StepBuffersHandle):
+            raise TypeError(f"handle must be a StepBuffersHandle, got {type(handle).__name__}")
+        if handle.layout != expected:
+            have, want = handle.layout.model_dump(), expected.model_dump()
+            diffs = [f"{key}: buffers have {have[key]!r}, expected {want[key]!r}"
+                     for key in want if have[key] != want[key]]
+            raise ValueError("step buffer layout mismatch: " + "; ".join(diffs))
+        return cls(expected, map_buffer(handle.buffer))
+
+    def export(self) -> StepBuffersHandle:
+        if self._owned is None:
+            raise RuntimeError("only the step buffers' owner exports them; pass on the handle you "
+                               "attached with")
+        return StepBuffersHandle(self.layout, self._owned.export())
+
+    def close(self) -> None:
+        """Drop the mapping; the owner also removes its /dev/shm file. Idempotent."""
+        if self._owned is not None and self._owned.file is not None:
+            self._owned.file.remove()
+        self._buffer = None
+
+    @property
+    def device(self) -> torch.device:
+        return self.taps.device
+
+    # ---- the target's side: stage one step ------------------------------------------------------
+
+    def stage_context(self, taps: torch.Tensor, positions: list[int], seq_slots: list[int],
+                      slots: list[int]) -> int:
+        """Write the context side's first N rows (taps [N, tap_width]); returns N."""
+        count = taps.shape[0]
+        self.check_context_rows(count)
+        if taps.dim() != 2 or taps.shape[1] != self.layout.tap_width:
+            raise ValueError(f"taps must be [N, {self.layout.tap_width}], got {tuple(taps.shape)}")
+        for name, values in (("positions", positions), ("seq_slots", seq_slots), ("slots", slots)):
+            if len(values) != count:
+                raise ValueError(f"{name} has {len(values)} rows, taps has {count}")
+        self.taps[:count].copy_(taps)
+        self._write(self.context_positions, positions)
+        self._write(self.context_seq_slots, seq_slots)
+        self._write(self.context_slots, slots)
+        return count
+
+    def stage_propose(self, bonus_tokens: list[int], start_positions: list[int], seq_slots: list[int],
+                      block_tables: list[list[int]]) -> int:
+        """Write the propose side's first B rows; returns the block-table columns used."""
+        count = len(bonus_tokens)
+        self.check_propose(count, 1, 1)
+        columns = max(len(table) for table in block_tables)
+        self.check_propose(count, 1, columns)
+        self._write(self.bonus_tokens, bonus_tokens)
+        self._write(self.start_positions, start_positions)
+        self._write(self.seq_slots, seq_slots)
+        padded = [list(table) + [0] * (columns - len(table)) for table in block_tables]
+        self.block_table[:count, :columns].copy_(torch.tensor(padded, dtype=torch.int32))
+        return columns
+
+    def _write(self, field: torch.Tensor, values: list[int]) -> None:
+        field[:len(values)].copy_(torch.tensor(values, dtype=field.dtype))
+
+    # ---- checks both sides make -------------------------------------------------------------------
+
+    def check_context_rows(self, num_rows: int) -> None:
+        if not 0 <= num_rows <= self.layout.max_context_rows:
+            raise ValueError(f"num_rows must be in 0..{self.layout.max_context_rows} (the step buffers' "
+                             f"max_context_rows), got {num_rows}")
+
+    def check_propose(self, num_seqs: int, num_draft: int, num_block_cols: int) -> None:
+        layout = self.layout
+        for name, value, limit in (("num_seqs", num_seqs, layout.max_num_seqs),
+                                   ("num_draft", num_draft, layout.max_num_draft),
+                                   ("num_block_cols", num_block_cols, layout.max_blocks_per_seq)):
+            if not 1 <= value <= limit:
+                raise ValueError(f"{name} must be in 1..{limit} (the step buffers' limit), got {value}")

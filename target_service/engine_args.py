@@ -1,0 +1,74 @@
+"""EngineArgs: every engine setting, validated once; field names are the CLI's and `LLM`'s.
+
+Also the two decisions every assembler of this process makes the same way: which device, and
+which compute dtype when none is asked for.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from foundation.byte_size import parse_byte_size
+
+
+class EngineArgs(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    target: str
+    drafter: str | None = None
+    num_speculative_tokens: int | None = Field(None, ge=1)
+    context_storage: Literal["paged", "dense"] = "paged"
+    dtype: Literal["bfloat16", "float16", "float32", "bf16", "fp16", "fp32"] | None = None
+    device: str | None = None
+    max_model_len: int | None = Field(None, ge=2)
+    max_num_seqs: int = Field(256, ge=1)
+    max_num_batched_tokens: int = Field(2048, ge=16)
+    kv_cache_memory: int | str | None = None
+    gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0)
+    tokens_per_block: int = 32
+    enable_prefix_caching: bool = True
+    seed: int | None = None
+
+    @model_validator(mode="after")
+    def _sizes(self):
+        if self.kv_cache_memory is not None:
+            parse_byte_size(self.kv_cache_memory)
+        return self
+
+
+def resolve_device(name: str | None) -> torch.device:
+    """`name` as a device (None: cuda when available); asking for CUDA without it is an error."""
+    if name is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} was asked for but CUDA is not available")
+    return device
+
+
+def compute_dtype(asked: str | None, device: torch.device) -> str | None:
+    """The dtype asked for; with none, float32 on CPU and the checkpoint's own dtype (None) elsewhere.
+
+    CPUs have no fast 16-bit matrix units to gain from, and 16-bit weights are exact in float32,
+    so a CPU engine computes in float32 by default: greedy decoding with a drafter is then lossless
+    bit for bit (bf16 verify blocks and 1-token decodes round near-ties differently).
+    """
+    if asked is not None:
+        return asked
+    return "float32" if device.type == "cpu" else None
+
+
+def num_speculative_tokens(asked: int | None, block_size: int | None) -> int:
+    """K for a drafter of `block_size` (None: no drafter): at most block_size - 1, that by default."""
+    if block_size is None:
+        if asked:
+            raise ValueError("num_speculative_tokens needs a drafter")
+        return 0
+    limit = block_size - 1
+    value = asked or limit
+    if value > limit:
+        raise ValueError(f"num_speculative_tokens {value} exceeds the drafter's block_size - 1 = {limit}")
+    return value
