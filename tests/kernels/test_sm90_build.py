@@ -1,4 +1,4 @@
-"""fp8 operand paths, checked in an offline sm_90 build (bench/kernel_sass.py, no GPU needed).
+"""fp8 operand paths, checked in an offline sm_90 build (bench/bench_kernel_sass.py, no GPU needed).
 
 Without `kernels.operands.widen_values`' inline-asm step Triton reads an fp8 value tile from shared
 memory one byte at a time (`LDS.U8`) in a 16-row decode tile; with it the tile reaches the MMA through
@@ -37,10 +37,10 @@ pytestmark = pytest.mark.skipif(not triton.__version__.startswith("3.9"),
 
 
 def sass_report(*flags: str) -> str:
-    """What bench/kernel_sass.py prints for these flags (a subprocess: the tests' interpreter is on)."""
+    """What bench/bench_kernel_sass.py prints for these flags (a subprocess: the tests' interpreter is on)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(ROOT)
-    return subprocess.run([sys.executable, str(ROOT / "bench" / "kernel_sass.py"), *flags],
+    return subprocess.run([sys.executable, "-m", "bench.bench_kernel_sass", *flags],
                           check=True, capture_output=True, text=True, env=env, cwd=ROOT).stdout
 
 

@@ -50,8 +50,8 @@ class OracleDrafter:
 
     def store_context(self, num_rows):
         buffers = self.engine.step_buffers
-        rows = zip(buffers.context_positions[:num_rows].tolist(), buffers.context_seq_slots[:num_rows].tolist(),
-                   buffers.context_slots[:num_rows].tolist())
+        rows = zip(buffers.context_positions[:num_rows].tolist(),
+                   buffers.context_seq_slots[:num_rows].tolist(), buffers.context_slots[:num_rows].tolist())
         for position, slot, target_slot in rows:
             if target_slot != -1:
                 self.stored.setdefault(self._seq_at(slot).seq_id, []).append(position)
