@@ -15,6 +15,7 @@ from drafter_service.control import DraftControl
 from drafter_service.step_buffers import StepBufferLayout, StepBuffers
 from foundation.byte_size import parse_byte_size
 from foundation.checkpoint_config import check_drafter_fits, load_drafter_config
+from foundation.weights import resolve_dtype
 from kvpool_service.control import PoolControl
 from kvpool_service.memory import PoolHandle, PoolMemory
 from kvpool_service.spec import PoolSpec
@@ -63,11 +64,13 @@ class TargetAssembler:
 
     @property
     def kv_dtype(self) -> str:
-        """The pool's dtype: the target's compute dtype (the draft context's too)."""
-        return str(self._model().embed_weight.dtype).removeprefix("torch.")
+        """The pool's dtype: the target's compute dtype (the draft context's too); known before loading."""
+        return str(resolve_dtype(self.dtype, self.checkpoint.config.dtype_name)).removeprefix("torch.")
 
     def pool_spec(self) -> PoolSpec:
-        """Every group the pool needs for this pair (the pool drops the draft group for dense context)."""
+        """Every group the pool needs for this pair (the pool drops the draft group for dense context).
+
+        Read from the configs alone, so a pool process can size the pool without loading weights."""
         return PoolSpec.from_configs(self.checkpoint.config, self.drafter_config,
                                      tokens_per_block=self.args.tokens_per_block, dtype=self.kv_dtype)
 
