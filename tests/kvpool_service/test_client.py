@@ -163,3 +163,12 @@ def test_client_rejects_a_bad_address_or_timeout():
         KVPoolClient("localhost")
     with pytest.raises(ValueError, match="timeout must be positive"):
         KVPoolClient("127.0.0.1:1", timeout=0)
+
+
+def test_limits_are_the_same_in_process_and_over_the_wire():
+    layout = make_layout(num_blocks=50)
+    blocks = BlockManager.from_layout(layout, max_num_seqs=3, max_model_len=128, watermark=0.1)
+    with BackgroundServer(blocks, layout) as server, KVPoolClient(server.address) as client:
+        # 5 of the 50 blocks are held back for growth: one sequence may hold 45
+        assert client.limits() == blocks.limits() == (50, TPB, 3, 128, 45)
+    assert blocks.limits().blocks_for(TPB + 1) == 2
