@@ -58,8 +58,12 @@ def _check_args(args: argparse.Namespace) -> None:
 
 
 def build_pool(args: argparse.Namespace):
-    """(BlockManager, PoolLayout) of the flags: the whole budget in blocks of target + draft bytes."""
-    from kvpool_service.blocks import BlockManager
+    """The pool of the flags (`kvpool_service.assembler`): the whole budget in blocks of target + draft
+    bytes, its memory shared (/dev/shm without a GPU) so engines on this node can map it."""
+    import torch
+
+    from kvpool_service.assembler import MIN_BLOCKS, PoolArgs
+    from kvpool_service.assembler import build_pool as assemble_pool
 
     _check_args(args)
     target = load_target_config(args.target)
@@ -68,42 +72,30 @@ def build_pool(args: argparse.Namespace):
                                  context_dtype=args.context_dtype)
     memory = parse_byte_size(args.memory)
     num_blocks = spec.num_blocks(memory)
-    if num_blocks < 1:
-        raise CliError(f"--memory {args.memory} holds no block: one block of {spec.tokens_per_block} "
-                       f"tokens takes {format_bytes(spec.bytes_per_block)}")
-    layout = PoolLayout.create(spec, num_blocks)
-    blocks = BlockManager.from_layout(
-        layout, max_num_seqs=args.max_num_seqs,
+    if num_blocks < MIN_BLOCKS:
+        held = "no block" if num_blocks == 0 else f"{num_blocks} block"
+        raise CliError(f"--memory {args.memory} holds {held}: one block of {spec.tokens_per_block} tokens "
+                       f"takes {format_bytes(spec.bytes_per_block)} and at least {MIN_BLOCKS} are needed")
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    pool = assemble_pool(PoolArgs(
+        spec=spec, budget_bytes=memory, max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len or target.max_position_embeddings, watermark=args.watermark,
-        enable_prefix_caching=not args.no_prefix_caching)
-    return blocks, layout
+        enable_prefix_caching=not args.no_prefix_caching, device=device, share=True))
+    logger.info("pool of %d blocks x %d tokens, %s on %s", pool.layout.num_blocks, spec.tokens_per_block,
+                format_bytes(pool.memory.nbytes), pool.memory.device)
+    return pool
 
 
 def run(args: argparse.Namespace) -> int:
     from kvpool_service.server import load_token
 
     token = load_token(args.token_file)
-    blocks, layout = build_pool(args)
-    memory = _create_memory(layout, args.device)
+    pool = build_pool(args)
     try:
-        asyncio.run(_serve(blocks, layout, args.host, args.port, token))
+        asyncio.run(_serve(pool.blocks, pool.layout, args.host, args.port, token))
     finally:
-        if memory is not None:
-            memory.close()
+        pool.close()
     return 0
-
-
-def _create_memory(layout: PoolLayout, device: str | None):
-    """The pool's arenas (kvpool_service.memory), on the GPU when there is one."""
-    import torch
-
-    from kvpool_service.memory import PoolMemory
-
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    memory = PoolMemory.create(layout, device)
-    logger.info("pool of %d blocks x %d tokens, %s on %s", layout.num_blocks, layout.spec.tokens_per_block,
-                format_bytes(memory.nbytes), memory.device)
-    return memory
 
 
 async def _serve(blocks, layout: PoolLayout, host: str, port: int, token: str | None) -> None:

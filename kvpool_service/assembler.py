@@ -20,7 +20,7 @@ from foundation.byte_size import format_bytes
 from kvpool_service.blocks import BlockManager
 from kvpool_service.control import PoolControl
 from kvpool_service.memory import PoolHandle, PoolMemory
-from kvpool_service.spec import PoolLayout, PoolSpec
+from kvpool_service.spec import PoolLayout, PoolSpec, dense_context_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -50,15 +50,6 @@ class PoolSizing:
     spec: PoolSpec  # without the draft group when the context is dense
     num_blocks: int
     dense_context_bytes: int
-
-
-def dense_context_bytes(spec: PoolSpec, *, max_num_seqs: int, max_model_len: int) -> int:
-    """Bytes of the dense baseline's draft context: every slot holds max_model_len positions, padded
-    to whole pages (`drafter_service.context_storage.DenseContext` allocates exactly this)."""
-    if spec.draft is None:
-        return 0
-    padded = -(-max_model_len // spec.tokens_per_block) * spec.tokens_per_block
-    return max_num_seqs * padded * spec.draft.bytes_per_token
 
 
 def size_pool(spec: PoolSpec, budget_bytes: int, *, context_storage: str, max_num_seqs: int,

@@ -128,6 +128,15 @@ class PoolSpec(BaseModel):
         return cls(target=target_group, draft=draft_group, tokens_per_block=tokens_per_block)
 
 
+def dense_context_bytes(spec: PoolSpec, *, max_num_seqs: int, max_model_len: int) -> int:
+    """Bytes of the dense baseline's draft context: every slot holds max_model_len positions, padded
+    to whole pages (`drafter_service.context_storage.DenseContext` allocates exactly this)."""
+    if spec.draft is None:
+        return 0
+    padded = -(-max_model_len // spec.tokens_per_block) * spec.tokens_per_block
+    return max_num_seqs * padded * spec.draft.bytes_per_token
+
+
 class StoragePlan(BaseModel):
     """What one context storage (paged or dense) does with the budget."""
 
@@ -179,7 +188,7 @@ def plan_pool(spec: PoolSpec, memory_bytes: int, *, max_model_len: int, max_num_
         num_blocks=num_blocks, max_tokens=num_blocks * tpb,
         concurrent_requests=num_blocks // blocks_per_request,
     )
-    reservation = max_num_seqs * max_model_len * draft_bpt
+    reservation = dense_context_bytes(spec, max_num_seqs=max_num_seqs, max_model_len=max_model_len)
     target_only = spec.without_draft()
     dense_blocks = target_only.num_blocks(memory_bytes - reservation)
     dense = StoragePlan(

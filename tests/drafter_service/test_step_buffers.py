@@ -1,5 +1,6 @@
 """Step buffers: fields that never overlap, staging that lands in the views, attach that checks the layout."""
 
+import itertools
 import pickle
 
 import pytest
@@ -16,7 +17,7 @@ def test_fields_are_aligned_and_disjoint_and_the_buffer_holds_them_all():
     spans = sorted((offsets[name], offsets[name] + torch.Size(shape).numel() * dtype.itemsize)
                    for name, (shape, dtype) in LAYOUT.fields().items())
     assert all(start % ALIGN == 0 for start, _ in spans)
-    assert all(end <= next_start for (_, end), (next_start, _) in zip(spans, spans[1:]))
+    assert all(end <= next_start for (_, end), (next_start, _) in itertools.pairwise(spans))
     assert spans[-1][1] <= nbytes
     # taps 20 x 24 fp32 = 1920 bytes -> the next field starts at the next 256-byte boundary, 2048
     assert offsets["context_positions"] == 2048

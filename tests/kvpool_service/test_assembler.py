@@ -5,9 +5,9 @@ import pickle
 import pytest
 import torch
 
-from kvpool_service.assembler import PoolArgs, build_pool, dense_context_bytes, size_pool
+from kvpool_service.assembler import PoolArgs, build_pool, size_pool
 from kvpool_service.memory import PoolMemory
-from kvpool_service.spec import LayerGroup, PoolSpec
+from kvpool_service.spec import LayerGroup, PoolSpec, dense_context_bytes
 
 TPB = 16
 
@@ -38,7 +38,8 @@ def test_dense_context_is_reserved_first_and_the_pool_keeps_the_target_only():
 def test_budgets_that_buy_too_little_are_refused_with_the_sizes():
     with pytest.raises(ValueError, match=r"dense context reservation of .* leaves nothing of the"):
         size_pool(make_spec(), 4 * 112 * 128, context_storage="dense", max_num_seqs=4, max_model_len=100)
-    with pytest.raises(ValueError, match=r"KV budget of 6.00 KiB holds 1 blocks of 6.00 KiB; give more kv_cache_memory"):
+    message = r"KV budget of 6.00 KiB holds 1 blocks of 6.00 KiB; give more kv_cache_memory"
+    with pytest.raises(ValueError, match=message):
         size_pool(make_spec(), TPB * 384, context_storage="paged", max_num_seqs=4, max_model_len=100)
 
 
