@@ -1,4 +1,5 @@
-"""Opening and loading a DFlash drafter checkpoint (config.json + safetensors, DESIGN.md section 6).
+"""Opening and loading a DFlash drafter checkpoint (config.json + safetensors; docs/architecture.md,
+section 7).
 
 Everything that can be checked is checked before a weight is read: the config fields, the fit with
 the target (hidden size, layer count, tap ids, mask token), the rope scaling, and every tensor's

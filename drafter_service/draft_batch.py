@@ -1,6 +1,6 @@
 """DraftBatch: the per-step metadata the target hands the drafter for `propose`.
 
-Plain integer tensors only, so it crosses a process boundary (a Ray call) as is.
+Plain integer tensors only; the DraftWorker builds it from views of the step buffers.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""DraftWorker: the drafter service's domain object (the Ray actor will only delegate to it).
+"""DraftWorker: the drafter service's domain object; whatever hosts the drafter only delegates to it.
 
 It owns the draft model, the target's embedding and lm_head tables (loaded by the drafter from the
 target checkpoint), the context storage and the attached step buffers, and implements

@@ -1,6 +1,6 @@
 """The DFlash draft model: Qwen3-style layers whose cross-attention context lives in the pool's pages.
 
-Two entry points (DESIGN.md section 6):
+Two entry points (docs/architecture.md section 7):
 - `project_context`, once per committed token: c = hidden_norm(fc(taps)); per draft layer
   k = rope(k_norm(k_proj(c)), pos), v = v_proj(c), written at the token's own slot. No
   input_layernorm on this path. All layers' k_proj and v_proj are one stacked weight, so the

@@ -1,6 +1,6 @@
 """StepBuffers: the per-step data the target and the drafter exchange, in one buffer both map.
 
-Per step the target writes, and the drafter reads, two sides (DESIGN: nothing large crosses a call):
+Per step the target writes, and the drafter reads, two sides (nothing large crosses a call):
 
 context side, up to `max_context_rows` rows (every row the target ran this step):
     taps              [R, tap_width]  the target's tapped hidden states (n_taps * hidden_size)

@@ -12,10 +12,10 @@ the fp8 bytes from shared memory straight into the MMA's register layout, where 
 reduction axis) are not contiguous: byte-wise shared loads (1 per element) and register moves. On
 sm_89+ (`fp8_cvt_asm`) the widening is an opaque inline-asm step that Triton does not move past the
 layout change, so the tile is widened in its load layout and reaches the MMA through a 16-bit
-transposing ldmatrix, as a bf16 tile does (bench/kernel_sass.py, an offline sm_90 build: the paged
+transposing ldmatrix, as a bf16 tile does (bench/bench_kernel_sass.py, an offline sm_90 build: the paged
 decode kernel loses 256 byte loads and 169 moves per thread; on an H200 fp8 decode got 2-5%
-faster, bench/results/kernel_variants_4_fp8_asm.md). Tiles of 64+ rows use the Hopper MMA, whose operands
-already pass through registers: the same shared loads and MMAs either way. Both attention kernels
+faster, bench/results/kernel_variants_4_fp8_asm.md in git history). Tiles of 64+ rows use the Hopper MMA,
+whose operands already pass through registers: the same shared loads and MMAs either way. Both attention kernels
 widen their values so.
 
 With `FP8_QUERIES` the score dot over an fp8 cache runs in e4m3 itself, so the key tiles reach the
@@ -36,11 +36,11 @@ import torch
 import triton
 import triton.language as tl
 
-# What an fp8 cache widens to for the MMAs (None: q's dtype). bench/fp8_operands.py switches it.
+# What an fp8 cache widens to for the MMAs (None: q's dtype). bench/bench_fp8_operands.py switches it.
 FP8_WIDEN_DTYPE: torch.dtype | None = torch.float16
 # Whether the score dot of 64+-row tiles over an fp8 cache runs in e4m3, q in two e4m3 terms per
 # row, so the key tiles enter the Hopper MMA as stored: 8-17% faster on an H200 at equal accuracy
-# (bench/results/fp8_operands_scores*.md). bench/fp8_operands.py switches it.
+# (bench/results/fp8_operands_scores*.md). bench/bench_fp8_operands.py switches it.
 FP8_QUERIES: bool = True
 E4M3_MAX = tl.constexpr(448.0)  # largest finite e4m3fn
 TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}

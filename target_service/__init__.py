@@ -1,4 +1,4 @@
-"""The target service: the target model, scheduler, speculative engine, offline and HTTP APIs.
+"""The target service: the target model, scheduler, speculative engine, the offline API, and its assembler.
 
 `from target_service import LLM, SamplingParams` (shaped like vLLM's offline API). Imported
 lazily, so `dflash plan` and the admin commands start without loading torch.

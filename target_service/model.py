@@ -5,7 +5,7 @@ stores this step's K/V into its page views and attends causally over each sequen
 (`kernels.paged_attention`). It returns logits for the requested rows and, for the drafter, the
 hidden states of the tapped layers for the requested rows.
 
-Tap semantics (DESIGN.md section 6): taps[i] is the output of decoder layer target_layer_ids[i],
+Tap semantics (docs/architecture.md section 7): taps[i] is the output of decoder layer target_layer_ids[i],
 i.e. HF `hidden_states[i + 1]`. HF replaces its last hidden state by the final-normed one, so a
 tap on the last layer is final-normed here too: that is what DFlash drafters were trained on.
 """

@@ -13,7 +13,7 @@ HAS_CUDA = torch.cuda.is_available()
 torch.set_num_threads(1)
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
-# Ray on one machine: loopback only, no telemetry, no auth prompts (DESIGN.md section 8).
+# Ray on one machine: loopback only, no telemetry, no auth prompts (docs/architecture.md section 8).
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")

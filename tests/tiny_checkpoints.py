@@ -5,7 +5,7 @@
 
 Targets get the HF layout as the hub ships it (config.json in the classic field spelling,
 generation_config.json, model.safetensors or two shards plus model.safetensors.index.json, and a
-word-level tokenizer.json on request); drafters the DFlash layout (DESIGN.md section 6). Weights
+word-level tokenizer.json on request); drafters the DFlash layout (docs/architecture.md section 7). Weights
 are drawn here from the tensor names and shapes alone, independently of the models under test, and
 norm weights are random too so a norm applied with the wrong weight shows.
 """

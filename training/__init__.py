@@ -7,5 +7,6 @@ block mask and the loss weights), `optim` (AdamW, warmup + cosine), `loop` (the 
 `progress`, `state` (checkpoints and resume), `export` (the on-disk layouts), `drafter_data`
 (target continuations through the engine, raw windows), `prompt_lookup` (the n-gram baseline),
 `evaluate` (acceptance and speed through the engine), `train_target` / `train_drafter` (the two
-`dflash train` commands). It lives in target_service because it needs both models and the engine.
+`dflash train` commands). It sits beside the services and imports them (both models and the
+engine); no service imports it.
 """

@@ -3,7 +3,7 @@
 `state_dict()` keys equal `target_weight_layout(config)`'s names, so saving is writing the state
 dict and loading a trained target back is `load_state_dict`. The math is the serving model's
 (kernels.layers: rms_norm, RoPE, SwiGLU), with SDPA over the whole causal sequence instead of pages.
-Taps follow the serving semantics exactly (DESIGN.md section 6): the output of decoder layer i,
+Taps follow the serving semantics exactly (docs/architecture.md section 7): the output of decoder layer i,
 final-normed when i is the last layer.
 """
 
