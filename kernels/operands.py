@@ -14,9 +14,9 @@ sm_89+ (`fp8_cvt_asm`) the widening is an opaque inline-asm step that Triton doe
 layout change, so the tile is widened in its load layout and reaches the MMA through a 16-bit
 transposing ldmatrix, as a bf16 tile does (bench/bench_kernel_sass.py, an offline sm_90 build: the paged
 decode kernel loses 256 byte loads and 169 moves per thread; on an H200 fp8 decode got 2-5%
-faster, bench/results/kernel_variants_4_fp8_asm.md in git history). Tiles of 64+ rows use the Hopper MMA,
-whose operands already pass through registers: the same shared loads and MMAs either way. Both attention kernels
-widen their values so.
+faster, bench/results/kernel_variants_4_fp8_asm.md in git history). Tiles of 64+ rows use the
+Hopper MMA, whose operands already pass through registers: the same shared loads and MMAs either
+way. Both attention kernels widen their values so.
 
 With `FP8_QUERIES` the score dot over an fp8 cache runs in e4m3 itself, so the key tiles reach the
 MMA as stored, without a widening: q is split per row into two e4m3 terms (`quantize_rows_e4m3`,
