@@ -170,9 +170,7 @@ class LLMEngine:
         accepted, emitted = accept_drafts(torch.tensor(drafts, dtype=torch.long, device=self.device),
                                           target_tokens)
         self.stats.record(len(drafts), accepted)
-        seq.num_drafts += bool(drafts)
-        seq.num_draft_tokens += len(drafts)
-        seq.num_accepted_tokens += accepted
+        seq.spec_decode.record(len(drafts), accepted)
         start = seq.num_computed
         seq.num_computed = start + accepted + 1  # the bonus and the accepted drafts are now committed
         self._emit(seq, emitted)

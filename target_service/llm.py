@@ -99,8 +99,8 @@ class LLM:
         return list(prompt)
 
     def _output(self, prompt, seq: Sequence) -> RequestOutput:
-        stats = SpecDecodeStats(seq.num_drafts, seq.num_draft_tokens, seq.num_accepted_tokens)
         text = self.engine.stop_checker.output_text(seq)
         completion = CompletionOutput(0, text, list(seq.output_token_ids), seq.finish_reason)
         return RequestOutput(seq.request_id, prompt if isinstance(prompt, str) else None,
-                             list(seq.prompt_token_ids), [completion], seq.is_finished, stats)
+                             list(seq.prompt_token_ids), [completion], seq.is_finished,
+                             seq.spec_decode.copy())

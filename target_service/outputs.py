@@ -41,6 +41,20 @@ class SpecDecodeStats:
         for position in range(num_accepted):
             self.accepted_per_position[position] += 1
 
+    def merge(self, other: SpecDecodeStats) -> None:
+        """Add `other`'s counts to these (per position too): a total over requests."""
+        self.num_drafts += other.num_drafts
+        self.num_draft_tokens += other.num_draft_tokens
+        self.num_accepted_tokens += other.num_accepted_tokens
+        longer = len(other.accepted_per_position) - len(self.accepted_per_position)
+        self.accepted_per_position += [0] * max(0, longer)
+        for position, count in enumerate(other.accepted_per_position):
+            self.accepted_per_position[position] += count
+
+    def copy(self) -> SpecDecodeStats:
+        return SpecDecodeStats(self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens,
+                               list(self.accepted_per_position))
+
     def as_dict(self) -> dict:
         return {
             "num_drafts": self.num_drafts, "num_draft_tokens": self.num_draft_tokens,

@@ -15,8 +15,7 @@ Who writes what:
 | slot, block_table, num_cached_tokens    | Scheduler, from the pool's open / reserve     |
 | output_token_ids, num_computed,         | Engine (after each step)                      |
 | num_pool_known_tokens, finish_reason,   |                                               |
-| num_drafts, num_draft_tokens,           |                                               |
-| num_accepted_tokens                     |                                               |
+| spec_decode (the request's counters)    |                                               |
 """
 
 from __future__ import annotations
@@ -26,6 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from target_service.outputs import SpecDecodeStats
 from target_service.sampling_params import SamplingParams
 
 
@@ -51,9 +51,7 @@ class Sequence:
     num_computed: int = 0
     num_pool_known_tokens: int = 0  # token ids the pool has been told (for prefix hashing)
     finish_reason: str | None = None
-    num_drafts: int = 0
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
+    spec_decode: SpecDecodeStats = field(default_factory=SpecDecodeStats)
     num_preemptions: int = 0
 
     @property

@@ -42,12 +42,10 @@ def is_table_like(text: str) -> bool:
 def _aggregate(outputs) -> dict:
     total = SpecDecodeStats()
     for output in outputs:
-        stats = output.spec_decode
-        total.num_drafts += stats.num_drafts
-        total.num_draft_tokens += stats.num_draft_tokens
-        total.num_accepted_tokens += stats.num_accepted_tokens
+        total.merge(output.spec_decode)
     return {"num_drafts": total.num_drafts, "num_draft_tokens": total.num_draft_tokens,
             "num_accepted_tokens": total.num_accepted_tokens,
+            "accepted_per_position": total.accepted_per_position,
             "mean_acceptance_length": round(total.mean_acceptance_length, 4)}
 
 

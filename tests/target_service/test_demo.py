@@ -46,6 +46,26 @@ def test_generate_without_target_uses_the_demo_pair(capsys):
     plain = json.loads(capsys.readouterr().out)
     assert speculative["num_drafts"] > 0 and plain["num_drafts"] == 0
     assert speculative["token_ids"] == plain["token_ids"]
+    # the request's own counters, per position: position p counts the drafts whose p+1 first tokens held
+    per_position = speculative["accepted_per_position"]
+    assert sum(per_position) == speculative["num_accepted_tokens"]
+    assert per_position == sorted(per_position, reverse=True) and plain["accepted_per_position"] == []
+
+
+def test_a_k_below_the_block_keeps_the_acceptance_of_the_blocks_first_k_positions():
+    """The drafter drafts the block it was trained on and the engine verifies the first K; with a
+    shortened noise block this pair measured 1.02 at K 7 against 3.41 at K 15."""
+    params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+    stats = {}
+    for k in (15, 5):
+        llm = LLM(device="cpu", dtype="float32", max_model_len=256, kv_cache_memory="16MiB",
+                  num_speculative_tokens=k)
+        llm.generate(PROMPTS, params)
+        stats[k] = llm.stats
+        llm.close()
+    full = stats[15]
+    first_five = 1 + sum(full.accepted_per_position[:5]) / full.num_drafts
+    assert stats[5].mean_acceptance_length >= first_five > 1.5
 
 
 def test_pair_resolution_rules():
