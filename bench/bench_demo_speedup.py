@@ -1,12 +1,15 @@
 """Acceptance and batch-1 speedup of a pair (default: the shipped demo pair) on held-out code.
 
     python -m bench.bench_demo_speedup [--target DIR --drafter DIR] [--prompts 32 --timing-prompts 8]
-                                 [--max-tokens 128] [--device cpu] [--dtype float32] [--name speedup_cpu]
+        [--timing-rounds 5] [--max-tokens 128] [--device cpu] [--dtype float32] [--name speedup_cpu]
 
 Greedy, K = block_size - 1, through the real engine (training.evaluate): DFlash,
 prompt lookup and plain decoding on the same held-out prompts of this Python's standard library
 (or of `--corpus`: the split hashes paths relative to each root, so a copy of the library splits alike).
-Writes bench/results/<name>.json, .md and .png (acceptance per draft position, tokens/s).
+Batch-1 speed: `--timing-rounds` rounds, each running every timing prompt through plain decoding,
+DFlash and prompt lookup back to back; tokens/s as the median over rounds with min-max, and the
+speed-up as the median of per-round ratios (on a shared host the speed swings between runs, a ratio
+taken within one round does not). Writes bench/results/<name>.json, .md and .png.
 """
 
 from __future__ import annotations
@@ -43,11 +46,17 @@ def _plot(result: dict, path: Path) -> None:
     left.legend()
     timing = result["timing_batch1"]
     names = ["plain", "prompt_lookup", "dflash"]
-    right.bar(names, [timing[n]["tokens_per_second"] for n in names],
-              color=["grey", "tab:orange", "tab:blue"])
+    medians = [timing[n]["tokens_per_second"] for n in names]
+    spread = [[m - timing[n]["min"] for m, n in zip(medians, names)],
+              [timing[n]["max"] - m for m, n in zip(medians, names)]]
+    right.bar(names, medians, yerr=spread, capsize=4, color=["grey", "tab:orange", "tab:blue"])
     right.set(ylabel="tokens/s (batch 1)", title=f"{result['device']}")
     figure.tight_layout()
     figure.savefig(path, dpi=110)
+
+
+def _rate(timing: dict) -> str:
+    return f"{timing['tokens_per_second']:.1f} ({timing['min']:.1f}-{timing['max']:.1f})"
 
 
 def _markdown(result: dict, meta: dict) -> str:
@@ -55,8 +64,9 @@ def _markdown(result: dict, meta: dict) -> str:
     rows = [f"| {name} | {result[name]['all']['mean_acceptance_length']:.3f} | "
             f"{result[name]['ordinary']['mean_acceptance_length']:.3f} | "
             f"{result[name]['table']['mean_acceptance_length']:.3f} | "
-            f"{timing[name]['tokens_per_second']:.1f} | "
-            f"{timing[name]['speedup']:.2f}x |" for name in ("dflash", "prompt_lookup")]
+            f"{_rate(timing[name])} | {timing[name]['speedup']:.2f}x "
+            f"({timing[name]['speedup_min']:.2f}-{timing[name]['speedup_max']:.2f}) |"
+            for name in ("dflash", "prompt_lookup")]
     return "\n".join([
         f"# Acceptance and batch-1 speedup: {meta['name']}", "",
         f"- date {meta['date']}, commit {meta['commit']}, device {result['device']}",
@@ -66,10 +76,13 @@ def _markdown(result: dict, meta: dict) -> str:
         f"{result['max_tokens']} new tokens, K={result['num_speculative_tokens']}; "
         f"identical to plain greedy: DFlash {result['lossless_dflash']}, prompt lookup "
         f"{result['lossless_prompt_lookup']}", "",
-        "| drafter | mean acceptance length | ordinary code | table-like | tokens/s (batch 1) | speedup |",
+        "| drafter | mean acceptance length | ordinary code | table-like "
+        "| tokens/s (batch 1), median (min-max) | speedup, median (min-max) |",
         "| --- | --- | --- | --- | --- | --- |", *rows,
-        f"| plain | 1 | 1 | 1 | {timing['plain']['tokens_per_second']:.1f} | 1.00x |", "",
-        f"Timing: {timing['prompts']} prompts one at a time after a warm-up. Prompts: "
+        f"| plain | 1 | 1 | 1 | {_rate(timing['plain'])} | 1.00x |", "",
+        f"Timing: {timing['rounds']} rounds of {timing['prompts']} prompts one at a time, plain, DFlash and "
+        "prompt lookup back to back on each prompt, after a warm-up; a speed-up is taken within each "
+        f"round. Threads: {meta['threads']}. Prompts: "
         f"{result['dflash']['ordinary']['prompts']} ordinary, "
         f"{result['dflash']['table']['prompts']} table-like.",
         "",
@@ -83,6 +96,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=32)
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--timing-prompts", type=int, default=8)
+    parser.add_argument("--timing-rounds", type=int, default=5)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--held-out-percent", type=float, default=5.0)
     parser.add_argument("--corpus", nargs="+", help="roots the prompts' split is taken from (default: this "
@@ -100,7 +114,8 @@ def main() -> None:
     prompts = held_out_prompts(checkpoint.tokenizer, held, args.prompts, args.prompt_len, seed=args.seed)
     result = evaluate_pair(target, drafter, prompts, num_speculative_tokens=block_size - 1,
                            max_tokens=args.max_tokens, device=args.device, dtype=args.dtype,
-                           timing_prompts=args.timing_prompts, tokenizer=checkpoint.tokenizer)
+                           timing_prompts=args.timing_prompts, timing_rounds=args.timing_rounds,
+                           tokenizer=checkpoint.tokenizer)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip()
     meta = {"name": args.name, "date": datetime.date.today().isoformat(), "commit": commit,

@@ -3,15 +3,17 @@
 On held-out prompts, greedy: DFlash at K drafts per step, prompt lookup (the free baseline) on the
 same prompts, and plain decoding as the reference. It reports the mean acceptance length
 (1 + accepted / drafts, over all requests), per position acceptance, whether every speculative
-output equals the plain one token for token (lossless), and, one prompt at a time, the wall-clock
-tokens/s of each, split into ordinary code and table-like text (data tables are where n-gram
-lookup shines, so it is reported apart).
+output equals the plain one token for token (lossless), split into ordinary code and table-like
+text (data tables are where n-gram lookup shines, so it is reported apart), and the batch-1
+wall-clock tokens/s of each, measured side by side in rounds (median and spread; a speed-up is a
+ratio taken within each round, since a shared host's speed swings between runs).
 """
 
 from __future__ import annotations
 
 import logging
 import re
+import statistics
 import time
 
 import torch
@@ -57,19 +59,42 @@ def _by_category(outputs, tables: list[bool]) -> dict:
     return result
 
 
-def _timed(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> dict:
-    """One prompt at a time (batch 1, the latency case); tokens/s over all of them."""
-    llm.generate([prompts[0]], params)  # warm-up: kernel compilation, allocator
-    tokens, started = 0, time.perf_counter()
-    for prompt in prompts:
-        tokens += len(llm.generate([prompt], params)[0].outputs[0].token_ids)
-    seconds = time.perf_counter() - started
-    return {"tokens": tokens, "seconds": round(seconds, 3), "tokens_per_second": round(tokens / seconds, 2)}
+def timed_side_by_side(runners: dict, prompts: list[list[int]], rounds: int) -> dict:
+    """Batch-1 tokens/s of every runner, measured side by side: each round runs every prompt through
+    every runner back to back (the order rotating), so a noisy, shared host slows all of them alike.
+
+    runners: name -> generate(prompt) -> number of tokens. Returns, per runner, the median tokens/s
+    over rounds with its min and max, and per non-"plain" runner the median, min and max of its
+    per-round speedup over "plain" (each round's ratio is taken within the round).
+    """
+    names = list(runners)
+    for name in names:
+        runners[name](prompts[0])  # warm-up: kernel compilation, allocator
+    per_round = {name: [] for name in names}
+    for index in range(rounds):
+        tokens, seconds = dict.fromkeys(names, 0), dict.fromkeys(names, 0.0)
+        for offset, prompt in enumerate(prompts):
+            shift = (index + offset) % len(names)
+            for name in names[shift:] + names[:shift]:
+                started = time.perf_counter()
+                tokens[name] += runners[name](prompt)
+                seconds[name] += time.perf_counter() - started
+        for name in names:
+            per_round[name].append(tokens[name] / seconds[name])
+    result = {}
+    for name, rates in per_round.items():
+        result[name] = {"tokens_per_second": round(statistics.median(rates), 2),
+                        "min": round(min(rates), 2), "max": round(max(rates), 2)}
+        if name != "plain":
+            ratios = [rate / plain for rate, plain in zip(rates, per_round["plain"])]
+            result[name].update(speedup=round(statistics.median(ratios), 3),
+                                speedup_min=round(min(ratios), 3), speedup_max=round(max(ratios), 3))
+    return {"rounds": rounds, **result}
 
 
 def evaluate_pair(target: str, drafter: str, prompts: list[list[int]], *, num_speculative_tokens: int,
                   max_tokens: int, device: str | None = None, dtype: str | None = None,
-                  timing_prompts: int = 8, tokenizer=None) -> dict:
+                  timing_prompts: int = 8, timing_rounds: int = 5, tokenizer=None) -> dict:
     """The numbers for one pair (see the module docstring); prompts are token-id lists."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     max_model_len = max(len(p) for p in prompts) + max_tokens + num_speculative_tokens + 2
@@ -90,17 +115,21 @@ def evaluate_pair(target: str, drafter: str, prompts: list[list[int]], *, num_sp
         lossless = [d.outputs[0].token_ids == r.outputs[0].token_ids for d, r in zip(dflash, reference)]
         lookup_lossless = [x.outputs[0].token_ids == r.outputs[0].token_ids
                            for x, r in zip(lookup, reference)]
+        lookup_drafter = spec.engine.drafter
         timed = prompts[:timing_prompts]
-        timing = {"prompt_lookup": _timed(spec, timed, params)}
+
+        def run(llm: LLM, drafter):
+            def generate(prompt: list[int]) -> int:
+                llm.engine.drafter = drafter
+                return len(llm.generate([prompt], params)[0].outputs[0].token_ids)
+            return generate
+
+        timing = timed_side_by_side({"plain": run(plain, None), "dflash": run(spec, dflash_worker),
+                                     "prompt_lookup": run(spec, lookup_drafter)}, timed, timing_rounds)
         spec.engine.drafter = dflash_worker
-        timing["dflash"] = _timed(spec, timed, params)
-        timing["plain"] = _timed(plain, timed, params)
     finally:
         plain.close()
         spec.close()
-    for name in ("dflash", "prompt_lookup"):
-        speedup = timing[name]["tokens_per_second"] / timing["plain"]["tokens_per_second"]
-        timing[name]["speedup"] = round(speedup, 3)
     result = {
         "num_prompts": len(prompts), "num_speculative_tokens": num_speculative_tokens,
         "max_tokens": max_tokens,
