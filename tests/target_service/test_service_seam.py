@@ -32,16 +32,26 @@ GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 SPAWN = multiprocessing.get_context("spawn")
 TIMEOUT_S = 120
 pytestmark = pytest.mark.slow
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+def _sync(device: str) -> None:
+    """Across processes, GPU work is ordered by hand: finish this side's writes before signalling.
+    (A real channel would record a CUDA IPC event instead of synchronising the whole device.)"""
+    if device == "cuda":
+        torch.cuda.synchronize()
 
 
 class PipeDraftControl:
     """DraftControl over a pipe to the drafter process: each call sends its counts and waits."""
 
-    def __init__(self, conn, block_size: int):
+    def __init__(self, conn, block_size: int, device: str):
         self.conn = conn
         self.block_size = block_size
+        self.device = device
 
     def _call(self, *message):
+        _sync(self.device)  # the step buffers' inputs are written before the drafter reads them
         self.conn.send(message)
         if not self.conn.poll(TIMEOUT_S):
             raise TimeoutError(f"the drafter process did not answer {message[0]}")
@@ -78,6 +88,7 @@ def _drafter_process(args: DrafterArgs, pool_handle, conn) -> None:
     while (message := conn.recv())[0] != "stop":
         try:
             getattr(worker, message[0])(*message[1:])
+            _sync(args.device)  # drafts and context are written before the target reads on
             conn.send(None)
         except Exception as error:  # report it to the target instead of hanging it
             conn.send(repr(error))
@@ -88,13 +99,14 @@ def _target_process(args: EngineArgs, address: str, pool_handle, drafter_conn, r
     assembler = TargetAssembler(args).load()
     buffers = assembler.create_step_buffers(share=True)  # a /dev/shm file the drafter maps
     drafter_conn.send(buffers.export())
-    drafter = DraftRecorder(PipeDraftControl(drafter_conn, drafter_conn.recv()), buffers)
+    drafter = DraftRecorder(PipeDraftControl(drafter_conn, drafter_conn.recv(), args.device), buffers)
     client = KVPoolClient(address)
     client.connect()
     engine = assembler.build(client, pool_handle, drafter)
     seqs = [engine.add_request(f"req-{i}", prompt, GREEDY) for i, prompt in enumerate(prompts)]
     while engine.has_unfinished:
         engine.step()
+    _sync(args.device)
     drafter_conn.send(("stop",))
     usage = client.stats()
     result_conn.send(([list(seq.output_token_ids) for seq in seqs], drafter.drafts,
@@ -103,29 +115,30 @@ def _target_process(args: EngineArgs, address: str, pool_handle, drafter_conn, r
     client.shutdown()
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("storage", ["paged", "dense"])
-def test_target_and_drafter_in_their_own_processes_equal_the_single_process_engine(tmp_path, storage):
+def test_target_and_drafter_in_their_own_processes_equal_the_single_process_engine(tmp_path, storage, device):
     target, drafter = make_pair(tmp_path)
     prompts = random_prompts(3, 160)
     settings = dict(num_speculative_tokens=5, context_storage=storage, kv_cache_memory="4MiB",
-                    tokens_per_block=16, max_num_seqs=4, max_model_len=128)
+                    tokens_per_block=16, max_num_seqs=4, max_model_len=128, device=device, dtype="float32")
     single = LLM(target, drafter, **settings)
     recorder = single.engine.drafter = DraftRecorder(single.engine.drafter, single.engine.step_buffers)
     expected = [out.outputs[0].token_ids for out in single.generate(prompts, GREEDY)]
     expected_accepted = single.stats.num_accepted_tokens
     groups = [group.name for group in single.assembly.pool.layout.spec.groups]
-    expected_arenas = {name: single.assembly.pool.memory.arena(name).clone() for name in groups}
+    expected_arenas = {name: single.assembly.pool.memory.arena(name).to("cpu", copy=True) for name in groups}
     single.close()
     assert len(recorder.drafts) >= 10  # enough steps for the comparison to mean something
 
-    args = EngineArgs(target=str(target), drafter=str(drafter), device="cpu", **settings)
+    args = EngineArgs(target=str(target), drafter=str(drafter), **settings)
     sizer = TargetAssembler(args)  # configs only: the pool process loads no weights
     pool = build_pool(PoolArgs(spec=sizer.pool_spec(), budget_bytes=sizer.kv_budget(),
                                context_storage=storage, max_num_seqs=args.max_num_seqs,
-                               max_model_len=sizer.max_model_len, device="cpu", share=True))
-    assert pool.handle.shm_path is not None
+                               max_model_len=sizer.max_model_len, device=device, share=True))
+    assert (pool.handle.shm_path is not None) == (device == "cpu")  # else a CUDA IPC handle
     server = BackgroundServer(pool.blocks, pool.layout).start()
-    drafter_args = DrafterArgs(drafter=str(drafter), target=str(target), dtype=sizer.dtype, device="cpu",
+    drafter_args = DrafterArgs(drafter=str(drafter), target=str(target), dtype=sizer.dtype, device=device,
                                context_storage=storage, max_num_seqs=args.max_num_seqs,
                                max_model_len=sizer.max_model_len)
     target_end, drafter_end = SPAWN.Pipe()
@@ -143,7 +156,7 @@ def test_target_and_drafter_in_their_own_processes_equal_the_single_process_engi
         for process in processes:
             process.join(TIMEOUT_S)
             assert process.exitcode == 0
-        arenas = {name: pool.memory.arena(name).clone() for name in groups}
+        arenas = {name: pool.memory.arena(name).to("cpu", copy=True) for name in groups}
     finally:
         for process in processes:
             if process.is_alive():
