@@ -103,6 +103,17 @@ class LLMEngine:
                              f"{params.max_tokens}); the pool has {usable} for one request: give it more "
                              "kv_cache_memory or ask for fewer tokens")
 
+    def abort(self, request_id: str) -> Sequence:
+        """Cancel a request between steps (a client that went away): its pages are freed now, its
+        tokens so far stay readable on the returned sequence (finish_reason "abort")."""
+        seq = self.sequences.pop(request_id, None)
+        if seq is None:
+            raise ValueError(f"request id {request_id!r} is not in the engine")
+        if not seq.is_finished:
+            self.scheduler.abort(seq)
+            seq.finish_reason = "abort"
+        return seq
+
     @property
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished

@@ -172,6 +172,15 @@ class Scheduler:
         if requests:
             self.pool.commit(requests)
 
+    def abort(self, seq: Sequence) -> None:
+        """Drop a request wherever it is: a running one's pages and slot are released at once."""
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        elif seq in self.running:
+            self.pool.close([seq.seq_id])
+            self.running.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+
     def finish(self, seqs: list[Sequence]) -> None:
         if not seqs:
             return

@@ -171,3 +171,29 @@ def test_no_page_in_use_after_a_mixed_batch_ends(pair):
     usage = llm.engine.scheduler.pool.stats()
     assert usage.num_used_blocks == 0 and usage.num_seqs == 0
     llm.close()
+
+
+def test_an_aborted_request_frees_its_pages_at_once_and_the_others_run_on(pair):
+    target, drafter = pair
+    prompts = random_prompts(3, 160, low=10, high=30)
+    expected = [reference(target, prompt) for prompt in prompts]
+    llm = speculative(target, drafter)
+    engine = llm.engine
+    seqs = [engine.add_request(f"r{i}", prompt, greedy()) for i, prompt in enumerate(prompts)]
+    waiting = engine.add_request("waiting", prompts[0], greedy())
+    while len(seqs[1].output_token_ids) < 3:
+        engine.step()
+    used = engine.scheduler.pool.stats().num_used_blocks
+    aborted = engine.abort("r1")
+    done = aborted.output_token_ids
+    assert aborted.finish_reason == "abort" and len(done) >= 3 and done == expected[1][:len(done)]
+    assert engine.scheduler.pool.stats().num_used_blocks == used - len(aborted.block_table)
+    engine.abort("waiting")  # never admitted, or admitted: either way it is gone
+    assert waiting.is_finished and "waiting" not in engine.sequences
+    while engine.has_unfinished:
+        engine.step()
+    assert [seqs[0].output_token_ids, seqs[2].output_token_ids] == [expected[0], expected[2]]
+    assert engine.scheduler.pool.stats().num_used_blocks == 0
+    with pytest.raises(ValueError, match="request id 'r1' is not in the engine"):
+        engine.abort("r1")
+    llm.close()
