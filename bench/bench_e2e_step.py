@@ -1,0 +1,310 @@
+"""The speculative step end to end, as a user feels it: ms per step and tokens/s through the engine.
+
+    python -m bench.bench_e2e_step [--geometry qwen3-8b|tiny] [--batch-sizes 1 8 32 64]
+        [--contexts 2048 8192 32768] [--steps 16] [--simulate-acceptance 6.5] [--no-hf]
+        [--kv-cache-memory 60GiB] [--name e2e_step_h200]
+
+Writes a random-weight checkpoint pair of the geometry (default Qwen3-8B and its 5-layer DFlash-b16
+drafter, `bench_e2e_checkpoints`), then for every batch size B and context C that fit the pool:
+B random prompts of C tokens are prefilled (timed), then `--steps` plain decode steps and `--steps`
+DFlash steps (K = block_size - 1) are timed one by one, each between two device synchronisations.
+Plain decode runs on the same engine with its drafter switched off, so both share one pool.
+HF transformers eager over the same checkpoint is timed in the same run (one decode step of B
+sequences after a C-token prefill, and a K+1-token verify), where its dense cache fits.
+
+A random drafter is almost never accepted, so `--simulate-acceptance MEAN` (this benchmark only:
+it replaces the engine's accept function inside this process, and nothing in the package can turn
+it on) draws each step's accepted count from a Poisson around MEAN - 1, capped at K, so the step's
+variable-length paths run at a realistic acceptance and tokens/s is measured, not extrapolated.
+
+Also recorded: kernel launches and busy GPU time of one step (torch profiler). Results: JSON,
+markdown and a PNG (tokens/s vs batch: this engine, HF, the goal lines) in bench/results/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import logging
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from bench.bench_e2e_checkpoints import write_random_pair
+from bench.bench_e2e_report import markdown, plot
+
+RESULTS = Path(__file__).resolve().parent / "results"
+logger = logging.getLogger("bench_e2e_step")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class SimulatedAcceptance:
+    """Replaces `target_service.engine.accept_drafts` in this process: accepted ~ Poisson(MEAN - 1)."""
+
+    def __init__(self, mean: float, seed: int):
+        import target_service.engine as engine_module
+
+        self.module, self.original = engine_module, engine_module.accept_drafts
+        self.rate = torch.tensor(max(mean - 1.0, 0.0))
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def __call__(self, drafts: torch.Tensor, target_tokens: torch.Tensor):
+        accepted = min(int(torch.poisson(self.rate, generator=self.generator)), drafts.numel())
+        return accepted, target_tokens[: accepted + 1].tolist()
+
+    def __enter__(self):
+        self.module.accept_drafts = self
+        return self
+
+    def __exit__(self, *exc):
+        self.module.accept_drafts = self.original
+
+
+def _spread(values: list[float]) -> dict:
+    ordered = sorted(values)
+    return {
+        "median": statistics.median(ordered),
+        "p10": ordered[len(ordered) // 10],
+        "p90": ordered[(len(ordered) * 9) // 10],
+        "n": len(ordered),
+    }
+
+
+def _timed_steps(engine, device: torch.device, steps: int) -> tuple[list[float], int]:
+    """Seconds of each of `steps` engine steps, and the tokens they emitted."""
+    before = sum(len(seq.output_token_ids) for seq in engine.sequences.values())
+    times = []
+    for _ in range(steps):
+        _sync(device)
+        started = time.perf_counter()
+        engine.step()
+        _sync(device)
+        times.append(time.perf_counter() - started)
+    after = sum(len(seq.output_token_ids) for seq in engine.sequences.values())
+    return times, after - before
+
+
+def _kernel_profile(engine, device: torch.device) -> dict:
+    """Kernel launches and busy GPU time of one step."""
+    if device.type != "cuda":
+        return {}
+    from torch.profiler import ProfilerActivity, profile
+
+    _sync(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        engine.step()
+        _sync(device)
+    kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
+    return {
+        "kernel_launches": len(kernels),
+        "gpu_busy_ms": round(sum(e.device_time_total for e in kernels) / 1000, 3),
+    }
+
+
+def engine_case(llm, batch: int, context: int, steps: int, k: int, vocab: int, seed: int) -> dict:
+    """Prefill B prompts of C tokens, then time plain decode steps and DFlash steps on the same engine."""
+    from target_service.sampling_params import SamplingParams
+
+    engine, device = llm.engine, llm.engine.device
+    generator = torch.Generator().manual_seed(seed)
+    max_tokens = 2 * steps * (k + 1) + 8
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    ids = [f"b{batch}-c{context}-{i}" for i in range(batch)]
+    for request_id in ids:
+        engine.add_request(
+            request_id, torch.randint(3, vocab - 2, (context,), generator=generator).tolist(), params
+        )
+    drafter, num_draft = engine.drafter, engine.scheduler.num_speculative_tokens
+    result = {"batch": batch, "context": context}
+    try:
+        _sync(device)
+        started = time.perf_counter()
+        while any(not seq.output_token_ids for seq in engine.sequences.values()):
+            engine.step()
+        _sync(device)
+        result["prefill_s"] = round(time.perf_counter() - started, 4)
+        engine.drafter, engine.scheduler.num_speculative_tokens = None, 0  # plain decode, same engine
+        engine.step()  # warm-up of this shape
+        plain, plain_tokens = _timed_steps(engine, device, steps)
+        result["plain"] = {
+            **_spread(plain),
+            "tokens_per_s": plain_tokens / sum(plain),
+            **_kernel_profile(engine, device),
+        }
+        engine.drafter, engine.scheduler.num_speculative_tokens = drafter, num_draft
+        engine.step()
+        spec, spec_tokens = _timed_steps(engine, device, steps)
+        result["dflash"] = {
+            **_spread(spec),
+            "tokens_per_s": spec_tokens / sum(spec),
+            "mean_acceptance_length": spec_tokens / (batch * steps),
+            **_kernel_profile(engine, device),
+        }
+    finally:
+        engine.drafter, engine.scheduler.num_speculative_tokens = drafter, num_draft
+        for request_id in ids:
+            if request_id in engine.sequences:
+                engine.abort(request_id)
+    return result
+
+
+@torch.inference_mode()
+def hf_case(model, batch: int, context: int, k: int, vocab: int, steps: int, seed: int) -> dict:
+    """HF eager: one decode step of B sequences after a C-token prefill, and a verify of K+1 tokens."""
+    from transformers import DynamicCache
+
+    device = model.device
+    generator = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(3, vocab - 2, (batch, context), generator=generator).to(device)
+    cache = DynamicCache()
+    model(prompt, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    decode, verify = [], []
+    token = torch.randint(3, vocab - 2, (batch, 1), generator=generator).to(device)
+    block = torch.randint(3, vocab - 2, (batch, k + 1), generator=generator).to(device)
+    for _ in range(steps + 1):  # the first of each is a warm-up; the cache is cropped back each time
+        for ids, times in ((token, decode), (block, verify)):
+            _sync(device)
+            started = time.perf_counter()
+            model(ids, past_key_values=cache, use_cache=True)
+            _sync(device)
+            times.append(time.perf_counter() - started)
+            cache.crop(-ids.shape[1])
+    del cache
+    return {"decode": _spread(decode[1:]), "verify": _spread(verify[1:])}
+
+
+def _fits(batch: int, context: int, steps: int, k: int, limits) -> bool:
+    tokens_per_seq = context + 2 * steps * (k + 1) + 2 * (k + 1) + 8
+    need = batch * limits.blocks_for(tokens_per_seq)
+    return batch <= limits.max_num_seqs and need <= limits.max_blocks_per_seq
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--geometry", default="qwen3-8b", choices=["qwen3-8b", "tiny"])
+    parser.add_argument(
+        "--checkpoints", default="/tmp/dflash-e2e-pair", help="where the random pair is written"
+    )
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 64])
+    parser.add_argument("--contexts", type=int, nargs="+", default=[2048, 8192, 32768])
+    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--simulate-acceptance", type=float, default=6.5)
+    parser.add_argument("--kv-cache-memory", default=None, help="pool budget (default: the engine's)")
+    parser.add_argument("--dtype", default=None, help="compute dtype (default: bfloat16 on a GPU)")
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--hf", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--hf-max-tokens", type=int, default=2**18, help="largest B x C HF is run at")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--name", default="e2e_step")
+    parser.add_argument("--out", default=str(RESULTS))
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
+    logger.setLevel(logging.INFO)
+    from target_service.llm import LLM
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
+    started = time.perf_counter()
+    target, drafter = write_random_pair(Path(args.checkpoints), args.geometry, dtype=dtype, seed=args.seed)
+    logger.info("checkpoints ready in %.1f s", time.perf_counter() - started)
+    max_context = max(args.contexts)
+    llm = LLM(
+        str(target),
+        str(drafter),
+        device=str(device),
+        dtype=dtype,
+        enable_prefix_caching=False,
+        max_num_seqs=max(args.batch_sizes),
+        max_model_len=max_context + 4 * args.steps * 16 + 64,
+        kv_cache_memory=args.kv_cache_memory,
+        max_num_batched_tokens=8192,
+        seed=args.seed,
+    )
+    engine = llm.engine
+    k, vocab = engine.scheduler.num_speculative_tokens, engine.target.config.vocab_size
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
+    result = {
+        "name": args.name,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"),
+        "commit": commit,
+        "command": "python -m bench.bench_e2e_step " + " ".join(argv or sys.argv[1:]),
+        "device": _device_name(device),
+        "torch": torch.__version__,
+        "geometry": args.geometry,
+        "dtype": dtype,
+        "num_speculative_tokens": k,
+        "simulate_acceptance": args.simulate_acceptance,
+        "steps": args.steps,
+        "pool_blocks": engine.limits.num_blocks,
+        "tokens_per_block": engine.limits.tokens_per_block,
+        "engine": [],
+        "hf": [],
+        "skipped": [],
+    }
+    out = Path(args.out)
+    with SimulatedAcceptance(args.simulate_acceptance, args.seed):
+        for context in args.contexts:
+            for batch in args.batch_sizes:
+                if not _fits(batch, context, args.steps, k, engine.limits):
+                    result["skipped"].append({"batch": batch, "context": context, "why": "pool too small"})
+                    continue
+                result["engine"].append(engine_case(llm, batch, context, args.steps, k, vocab, args.seed))
+                logger.info("engine %s", json.dumps(result["engine"][-1]))
+                _save(result, out, plot_too=False)  # a run cut short keeps what it measured
+    llm.close()
+    del llm, engine
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    if args.hf:
+        from transformers import AutoModelForCausalLM
+
+        model = (
+            AutoModelForCausalLM.from_pretrained(str(target), dtype=getattr(torch, dtype)).to(device).eval()
+        )
+        for case in result["engine"]:
+            if case["batch"] * case["context"] > args.hf_max_tokens:
+                continue
+            result["hf"].append(
+                {
+                    "batch": case["batch"],
+                    "context": case["context"],
+                    **hf_case(model, case["batch"], case["context"], k, vocab, args.steps, args.seed),
+                }
+            )
+            logger.info("hf %s", json.dumps(result["hf"][-1]))
+            _save(result, out, plot_too=False)
+        del model
+    _save(result, out, plot_too=True)
+    print((out / f"{args.name}.md").read_text())
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({torch.get_num_threads()} threads)"
+
+
+def _save(result: dict, out: Path, *, plot_too: bool) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    name = result["name"]
+    (out / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
+    (out / f"{name}.md").write_text(markdown(result))
+    if plot_too:
+        plot(result, out / f"{name}.png")
+
+
+if __name__ == "__main__":
+    main()
