@@ -7,8 +7,6 @@ import json
 import time
 
 from dflash_cli.main import CliError
-from target_service.llm import LLM
-from target_service.sampling_params import SamplingParams
 
 
 def register(subparsers) -> None:
@@ -34,7 +32,7 @@ def register(subparsers) -> None:
     parser.add_argument("--max-model-len", type=int)
     parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"),
                         help="compute dtype (default: float32 on CPU, the checkpoint's dtype on a GPU)")
-    parser.add_argument("--device", help="cpu, cuda, cuda:1 (default: cuda when available)")
+    parser.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda when available)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of text")
     parser.set_defaults(func=run)
 
@@ -51,6 +49,9 @@ def _prompt(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
+    from target_service.llm import LLM
+    from target_service.sampling_params import SamplingParams
+
     prompt = _prompt(args)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos)

@@ -6,8 +6,7 @@ import argparse
 import json
 import typing
 
-from training.train_drafter import TrainDrafterArgs, train_drafter
-from training.train_target import TrainTargetArgs, train_target
+from training.run_args import TrainDrafterArgs, TrainTargetArgs
 
 
 def _flags(parser: argparse.ArgumentParser, model, skip: tuple[str, ...] = ()) -> None:
@@ -58,8 +57,12 @@ def _report(summary: dict) -> int:
 
 
 def run_target(args: argparse.Namespace) -> int:
+    from training.train_target import train_target
+
     return _report(train_target(_args(args, TrainTargetArgs)))
 
 
 def run_drafter(args: argparse.Namespace) -> int:
+    from training.train_drafter import train_drafter
+
     return _report(train_drafter(_args(args, TrainDrafterArgs)))

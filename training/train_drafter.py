@@ -15,7 +15,6 @@ import time
 from pathlib import Path
 
 import torch
-from pydantic import Field, model_validator
 
 from foundation.byte_size import parse_byte_size
 from foundation.checkpoint_config import DrafterConfig
@@ -36,7 +35,7 @@ from training.evaluate import evaluate_pair
 from training.export import drafter_config_json, export_drafter
 from training.loop import LoopSettings, train_loop
 from training.optim import make_optimizer
-from training.run_args import TrainRunArgs
+from training.run_args import TrainDrafterArgs
 from training.state import CHECKPOINT_DIR
 from training.train_target import _device_name, resolve_device
 
@@ -44,44 +43,6 @@ logger = logging.getLogger(__name__)
 
 EVAL_FILE = "eval.json"
 TRAIN_LOG = "train_log.json"
-
-
-class TrainDrafterArgs(TrainRunArgs):
-    """Every `dflash train drafter` flag, validated once (field names are the flags')."""
-
-    target: str
-    block_size: int = Field(16, ge=2)
-    layers: int = Field(2, ge=1)
-    taps: str = "auto"
-    intermediate: int | None = Field(None, ge=1)
-    mask_token_id: int | None = Field(None, ge=0)
-    gamma: float | None = Field(None, gt=0)
-    anchors: int = Field(32, ge=1)
-    steps: int = Field(2000, ge=1)
-    warmup_steps: int = Field(100, ge=0)
-    lr: float = Field(1.5e-3, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
-    generated: int = Field(2048, ge=0)
-    generated_fraction: float = Field(0.5, ge=0, le=1)
-    prompt_len: int = Field(128, ge=1)
-    gen_tokens: int = Field(256, ge=1)
-    gen_temperature: float = Field(0.0, ge=0)
-    gen_batch: int = Field(256, ge=1)
-    eval: bool = True
-    eval_prompts: int = Field(64, ge=1)
-    eval_max_tokens: int = Field(256, ge=1)
-    eval_k: int | None = Field(None, ge=1)
-    eval_dtype: str | None = None
-    timing_prompts: int = Field(8, ge=1)
-
-    @model_validator(mode="after")
-    def _check(self):
-        if self.generated and self.generated_fraction and self.prompt_len + self.gen_tokens > self.seq_len:
-            raise ValueError(f"prompt_len + gen_tokens ({self.prompt_len + self.gen_tokens}) exceeds "
-                             f"seq_len ({self.seq_len})")
-        if self.eval_k is not None and self.eval_k > self.block_size - 1:
-            raise ValueError(f"eval_k ({self.eval_k}) exceeds block_size - 1 ({self.block_size - 1})")
-        return self
 
 
 def parse_taps(text: str, num_target_layers: int, num_draft_layers: int) -> list[int]:

@@ -15,7 +15,6 @@ import time
 from pathlib import Path
 
 import torch
-from pydantic import Field, model_validator
 from tokenizers import Tokenizer
 
 from foundation.byte_size import parse_byte_size
@@ -34,42 +33,11 @@ from training.dense_target import DenseQwen3, causal_lm_loss
 from training.export import export_target, target_config_json
 from training.loop import LoopSettings, autocast, train_loop
 from training.optim import make_optimizer
-from training.run_args import TrainRunArgs
+from training.run_args import TrainTargetArgs
 
 logger = logging.getLogger(__name__)
 
 TRAIN_LOG = "train_log.json"
-
-
-class TrainTargetArgs(TrainRunArgs):
-    """Every `dflash train target` flag, validated once (field names are the flags')."""
-
-    tokenizer: str | None = None
-    vocab_size: int = Field(4096, ge=300)
-    tokenizer_sample_mb: float = Field(8.0, gt=0)
-    layers: int = Field(6, ge=1)
-    hidden: int = Field(256, ge=16)
-    heads: int = Field(4, ge=1)
-    kv_heads: int = Field(2, ge=1)
-    head_dim: int = Field(64, ge=16)
-    intermediate: int = Field(768, ge=1)
-    max_position_embeddings: int = Field(4096, ge=16)
-    steps: int = Field(3000, ge=1)
-    warmup_steps: int = Field(200, ge=0)
-    lr: float = Field(2e-3, gt=0)
-    weight_decay: float = Field(0.1, ge=0)
-    eval_batches: int = Field(8, ge=1)
-
-    @model_validator(mode="after")
-    def _check(self):
-        if self.heads % self.kv_heads:
-            raise ValueError(f"heads ({self.heads}) must be a multiple of kv_heads ({self.kv_heads})")
-        if self.head_dim & (self.head_dim - 1):
-            raise ValueError(f"head_dim must be a power of two, got {self.head_dim}")
-        if self.seq_len >= self.max_position_embeddings:
-            raise ValueError(f"seq_len ({self.seq_len}) must be below max_position_embeddings "
-                             f"({self.max_position_embeddings})")
-        return self
 
 
 def _tokenizer(args: TrainTargetArgs, out: Path, train_docs) -> Tokenizer:
