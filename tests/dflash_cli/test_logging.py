@@ -1,0 +1,70 @@
+"""The CLI logs warnings and errors only, unless asked: -v for INFO, -vv for DEBUG, -q for errors only,
+before or after the subcommand. `dflash generate` of a tiny pair prints its answer and nothing else."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from tiny_checkpoints import write_drafter_checkpoint, write_target_checkpoint
+
+import dflash_cli.main as cli
+from dflash_cli.flags import log_level, walk_parsers
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def generate(target: Path, drafter: Path, *flags: str) -> subprocess.CompletedProcess:
+    argv = ["generate", "--target", target, "--drafter", drafter, "--prompt-ids", "5,6,7",
+            "--max-tokens", "4", "--device", "cpu", *flags]
+    return subprocess.run([sys.executable, "-m", "dflash_cli.main", *map(str, argv)], capture_output=True,
+                          text=True, cwd=ROOT, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+def test_generate_logs_nothing_by_default_and_info_with_v(tmp_path):
+    target = write_target_checkpoint(tmp_path / "target")
+    drafter = write_drafter_checkpoint(tmp_path / "drafter", target)
+    quiet = generate(target, drafter)
+    assert quiet.returncode == 0, quiet.stderr
+    assert quiet.stderr == "" and "finish: length" in quiet.stdout
+    verbose = generate(target, drafter, "-v")
+    assert verbose.returncode == 0, verbose.stderr
+    lines = verbose.stderr.splitlines()
+    assert lines and all(line.startswith("INFO ") for line in lines), lines
+    assert any(line.startswith(f"INFO foundation.weights: loading {target}") for line in lines)
+    assert verbose.stdout.splitlines()[0] == quiet.stdout.splitlines()[0]  # the same tokens either way
+
+
+# Each leaf subcommand with its required flags (values need not be valid: nothing runs).
+LEAVES = {
+    "plan": ["--target", "t", "--drafter", "d", "--memory", "1", "--max-model-len", "1",
+             "--max-num-seqs", "1"],
+    "generate": [],
+    "kvpool": ["--target", "t", "--drafter", "d", "--memory", "1"],
+    "admin stats": ["--address", "h:1"],
+    "admin health": ["--address", "h:1"],
+    "train target": ["--out", "o"],
+    "train drafter": ["--target", "t", "--out", "o"],
+}
+
+
+def test_every_leaf_subcommand_is_covered():
+    leaves = [parser.prog.removeprefix("dflash ") for parser, _ in walk_parsers(cli.build_parser())
+              if not any(isinstance(action, argparse._SubParsersAction) for action in parser._actions)]
+    assert sorted(leaves) == sorted(LEAVES)
+
+
+@pytest.mark.parametrize("leaf", LEAVES)
+@pytest.mark.parametrize("before, after, level", [
+    ([], [], logging.WARNING), ([], ["-v"], logging.INFO), (["-v"], [], logging.INFO),
+    (["-v"], ["-v"], logging.DEBUG), ([], ["-vv"], logging.DEBUG), ([], ["-q"], logging.ERROR),
+    (["-q"], [], logging.ERROR), (["-q"], ["-v"], logging.WARNING),
+])
+def test_v_and_q_work_before_and_after_every_subcommand(leaf, before, after, level):
+    args = cli.build_parser().parse_args([*before, *leaf.split(), *LEAVES[leaf], *after])
+    assert log_level(args) == level
