@@ -12,12 +12,15 @@ from __future__ import annotations
 import json
 import logging
 import math
+import sys
+import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import NamedTuple
+from typing import NamedTuple, TextIO
 
 import torch
 from safetensors import safe_open
+from tqdm import tqdm
 
 from foundation.checkpoint_config import DTYPE_NAMES, ConfigError, TargetConfig
 
@@ -154,20 +157,37 @@ def check_tensors(index: TensorIndex, layout: Mapping[str, WeightSlot], what: st
 
 
 class LoadProgress:
-    """Logs "<what>: 40% (12/30 tensors)" at each tenth of the elements loaded; silent when disabled."""
+    """Progress of one load, out of the way unless asked for.
 
-    def __init__(self, what: str, total_elements: int, total_tensors: int, enabled: bool = True):
+    A bar on stderr when stderr is a terminal and the load has run over `delay` seconds (a small
+    checkpoint loads without one); the tenths at DEBUG; one INFO line when `finish()` is called.
+    `enabled=False` silences all three (callers that load many times, like tests and training).
+    """
+
+    def __init__(self, what: str, total_elements: int, total_tensors: int, enabled: bool = True, *,
+                 stream: TextIO | None = None, delay: float = 1.0):
         self.what, self.total, self.tensors = what, max(total_elements, 1), total_tensors
         self.enabled = enabled
         self.done = self.count = self.reported = 0
+        self.started = time.perf_counter()
+        stream = sys.stderr if stream is None else stream
+        self.bar = tqdm(total=total_elements, desc=what, unit="param", unit_scale=True, delay=delay,
+                        file=stream, leave=False, disable=not (enabled and stream.isatty()))
 
     def advance(self, elements: int) -> None:
         self.done += elements
         self.count += 1
+        self.bar.update(elements)
         tenth = self.done * 10 // self.total
         if self.enabled and tenth > self.reported:
             self.reported = tenth
-            logger.info("%s: %d%% (%d/%d tensors)", self.what, tenth * 10, self.count, self.tensors)
+            logger.debug("%s: %d%% (%d/%d tensors)", self.what, tenth * 10, self.count, self.tensors)
+
+    def finish(self) -> None:
+        self.bar.close()
+        if self.enabled:
+            logger.info("%s: %d tensors, %d elements in %.2f s", self.what, self.count, self.done,
+                        time.perf_counter() - self.started)
 
 
 def load_weights(
@@ -177,11 +197,14 @@ def load_weights(
     params = dict(module.named_parameters())
     total = sum(math.prod(slot.shape) for slot in layout.values())
     meter = LoadProgress(f"loading {index.directory}", total, len(layout), progress)
-    with torch.no_grad():
-        for name, tensor in index.read(list(layout)):
-            slot = layout[name]
-            params[slot.param][slot.row : slot.row + slot.shape[0]].copy_(tensor)
-            meter.advance(tensor.numel())
+    try:
+        with torch.no_grad():
+            for name, tensor in index.read(list(layout)):
+                slot = layout[name]
+                params[slot.param][slot.row : slot.row + slot.shape[0]].copy_(tensor)
+                meter.advance(tensor.numel())
+    finally:
+        meter.finish()
 
 
 def empty_param(shape, dtype: torch.dtype, device) -> torch.nn.Parameter:
