@@ -21,7 +21,8 @@ def register(subparsers) -> None:
     ):
         parser = commands.add_parser(name, help=help_text, description=help_text)
         parser.add_argument("--address", required=True, help="HOST:PORT of the pool server")
-        parser.add_argument("--token-file", help="bearer token file (default: $DFLASH_KVPOOL_TOKEN)")
+        parser.add_argument("--token-file", help="file holding the pool's bearer token (default: the token "
+                                                 "itself in $DFLASH_KVPOOL_TOKEN)")
         parser.add_argument("--timeout", type=float, default=5.0, help="deadline of each call, seconds")
         parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
         parser.set_defaults(func=func)

@@ -31,8 +31,8 @@ def register(subparsers) -> None:
     parser.add_argument("--memory", required=True, help="pool budget: bytes, 256MiB, 40GiB, 2e9, ...")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     parser.add_argument("--port", type=int, default=50051, help="port (0: any free port; default 50051)")
-    parser.add_argument("--token-file", help="bearer token file (default: $DFLASH_KVPOOL_TOKEN; "
-                                             "neither: no auth)")
+    parser.add_argument("--token-file", help="file holding the bearer token clients must send (default: "
+                                             "the token itself in $DFLASH_KVPOOL_TOKEN; neither: no auth)")
     parser.add_argument("--tokens-per-block", type=int, default=32)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-model-len", type=int, default=None,

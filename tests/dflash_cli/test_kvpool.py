@@ -103,3 +103,15 @@ def test_bad_flags_exit_with_one_sentence(dflash, tmp_path):
         code, _, err = dflash(*argv)
         assert code == want_code and words in err, (argv, code, err)
         assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_token_file_help_says_the_variable_holds_the_token_itself(dflash, monkeypatch, capsys):
+    from kvpool_service.server import TOKEN_ENV, load_token
+
+    monkeypatch.setenv(TOKEN_ENV, "s3cret")
+    assert load_token(None) == "s3cret"  # the truth: the variable is the token, not a path to one
+    for argv in (["kvpool", "--help"], ["admin", "stats", "--help"]):
+        with pytest.raises(SystemExit):
+            cli.main(argv)
+        text = " ".join(capsys.readouterr().out.split())
+        assert f"the token itself in ${TOKEN_ENV}" in text, text
