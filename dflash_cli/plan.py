@@ -44,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def render_plan(spec: PoolSpec, plan: PoolPlan) -> str:
-    """The plan as a readable table."""
+    """The plan as a readable table; a storage left without a block gets a sentence instead of zeros."""
     lines = [f"pool of {format_bytes(plan.memory_bytes)}, {plan.tokens_per_block} tokens per block", ""]
     row = "{:<8} {:>6} {:>8} {:>8} {:>14} {:>12}".format
     lines.append(row("group", "layers", "kv heads", "head dim", "dtype", "bytes/token"))
@@ -55,11 +55,33 @@ def render_plan(spec: PoolSpec, plan: PoolPlan) -> str:
     lines += ["", f"{'context storage':<16} {'draft context':>14} {'target pool':>14} {'blocks':>8} "
                   f"{'max tokens':>12} {f'requests of {plan.avg_seq_len}':>20}"]
     for name, storage in (("paged", plan.paged), ("dense", plan.dense)):
+        if storage.num_blocks == 0:
+            lines.append(f"{name:<16} {format_bytes(storage.draft_context_bytes):>14}   "
+                         f"{_no_block(name, spec, plan)}")
+            continue
         lines.append(
             f"{name:<16} {format_bytes(storage.draft_context_bytes):>14} "
             f"{format_bytes(storage.target_pool_bytes):>14} {storage.num_blocks:>8,} "
             f"{storage.max_tokens:>12,} {storage.concurrent_requests:>20,}"
         )
+    for name, storage in (("paged", plan.paged), ("dense", plan.dense)):
+        if storage.uncapped_requests > plan.max_num_seqs:
+            lines.append(f"({name}: the blocks hold {storage.uncapped_requests:,} requests of "
+                         f"{plan.avg_seq_len} tokens; max_num_seqs {plan.max_num_seqs} caps how many run "
+                         "at once)")
     lines.append(f"(dense reserves max_num_seqs {plan.max_num_seqs} x max_model_len {plan.max_model_len} "
-                 "draft tokens up front and caps requests at max_num_seqs)")
+                 "draft tokens up front)")
     return "\n".join(lines)
+
+
+def _no_block(name: str, spec: PoolSpec, plan: PoolPlan) -> str:
+    """Why a storage has no target pool, in words: a row of zeros reads like a bug."""
+    if name == "paged":
+        return (f"no target pool: one block of target + draft ({format_bytes(spec.bytes_per_block)}) is more "
+                "than the budget; nothing can run")
+    left = plan.memory_bytes - plan.dense.draft_context_bytes
+    if left <= 0:
+        return "no target pool: the dense reservation takes the whole budget; nothing can run"
+    block = spec.without_draft().bytes_per_block
+    return (f"no target pool: the {format_bytes(left)} the dense reservation leaves is less than one "
+            f"block ({format_bytes(block)}); nothing can run")

@@ -144,7 +144,10 @@ class StoragePlan(BaseModel):
     target_pool_bytes: int
     num_blocks: int
     max_tokens: int
-    concurrent_requests: int = Field(description="requests of avg_seq_len tokens that fit at once")
+    concurrent_requests: int = Field(description="requests of avg_seq_len tokens that run at once: what "
+                                                 "the blocks hold, at most max_num_seqs")
+    uncapped_requests: int = Field(description="requests of avg_seq_len tokens the blocks hold, before the "
+                                               "max_num_seqs cap")
 
 
 class PoolPlan(BaseModel):
@@ -164,38 +167,41 @@ class PoolPlan(BaseModel):
     dense: StoragePlan
 
 
+def _storage(draft_context_bytes: int, target_pool_bytes: int, num_blocks: int, tokens_per_block: int,
+             blocks_per_request: int, max_num_seqs: int) -> StoragePlan:
+    held = num_blocks // blocks_per_request
+    return StoragePlan(draft_context_bytes=draft_context_bytes, target_pool_bytes=target_pool_bytes,
+                       num_blocks=num_blocks, max_tokens=num_blocks * tokens_per_block,
+                       concurrent_requests=min(max_num_seqs, held), uncapped_requests=held)
+
+
 def plan_pool(spec: PoolSpec, memory_bytes: int, *, max_model_len: int, max_num_seqs: int,
               avg_seq_len: int | None = None) -> PoolPlan:
     """Blocks and concurrency of `spec` in `memory_bytes`, paged context next to dense context.
 
     Dense reserves max_num_seqs x max_model_len draft tokens up front and leaves the target pool the
     rest; paged prices every live token at target + draft bytes. A request of avg_seq_len tokens
-    holds ceil(avg_seq_len / tokens_per_block) blocks.
+    holds ceil(avg_seq_len / tokens_per_block) blocks, and no more than max_num_seqs requests run at
+    once whatever the blocks hold, with either storage.
     """
-    if memory_bytes <= 0 or max_model_len <= 0 or max_num_seqs <= 0:
-        raise ValueError("memory, max_model_len and max_num_seqs must be positive")
+    for name, value in (("memory", memory_bytes), ("max_model_len", max_model_len),
+                        ("max_num_seqs", max_num_seqs), ("avg_seq_len", avg_seq_len)):
+        if value is not None and value <= 0:
+            raise ValueError(f"{name} must be positive, got {value}")
     avg_seq_len = avg_seq_len or max_model_len
-    if avg_seq_len <= 0:
-        raise ValueError(f"avg_seq_len must be positive, got {avg_seq_len}")
     tpb = spec.tokens_per_block
     blocks_per_request = -(-avg_seq_len // tpb)
     draft_bpt = spec.draft.bytes_per_token if spec.draft else 0
 
     num_blocks = spec.num_blocks(memory_bytes)
-    paged = StoragePlan(
-        draft_context_bytes=num_blocks * tpb * draft_bpt + (spec.draft.scale_bytes if spec.draft else 0),
-        target_pool_bytes=num_blocks * tpb * spec.target.bytes_per_token,
-        num_blocks=num_blocks, max_tokens=num_blocks * tpb,
-        concurrent_requests=num_blocks // blocks_per_request,
-    )
+    paged = _storage(num_blocks * tpb * draft_bpt + (spec.draft.scale_bytes if spec.draft else 0),
+                     num_blocks * tpb * spec.target.bytes_per_token, num_blocks, tpb, blocks_per_request,
+                     max_num_seqs)
     reservation = dense_context_bytes(spec, max_num_seqs=max_num_seqs, max_model_len=max_model_len)
     target_only = spec.without_draft()
     dense_blocks = target_only.num_blocks(memory_bytes - reservation)
-    dense = StoragePlan(
-        draft_context_bytes=reservation, target_pool_bytes=dense_blocks * target_only.bytes_per_block,
-        num_blocks=dense_blocks, max_tokens=dense_blocks * tpb,
-        concurrent_requests=min(max_num_seqs, dense_blocks // blocks_per_request),
-    )
+    dense = _storage(reservation, dense_blocks * target_only.bytes_per_block, dense_blocks, tpb,
+                     blocks_per_request, max_num_seqs)
     return PoolPlan(
         target_bytes_per_token=spec.target.bytes_per_token, draft_bytes_per_token=draft_bpt,
         total_bytes_per_token=spec.bytes_per_token, tokens_per_block=tpb, num_blocks=num_blocks,

@@ -56,13 +56,16 @@ def test_plan_paged_versus_dense_by_hand():
     plan = plan_pool(spec, 80 * GIB, max_model_len=8192, max_num_seqs=64, avg_seq_len=1000)
     blocks = 80 * GIB // (32 * 167_936)
     assert plan.num_blocks == blocks and plan.max_tokens == blocks * 32
-    assert plan.paged.concurrent_requests == blocks // 32  # 1000 tokens hold 32 blocks
+    assert blocks == 15_984 and blocks // 32 == 499  # 1000 tokens hold 32 blocks
+    assert plan.paged.uncapped_requests == 499
+    assert plan.paged.concurrent_requests == 64  # the blocks hold 499, but max_num_seqs runs 64 at once
     assert plan.paged.draft_context_bytes == blocks * 32 * 20_480
     reservation = 64 * 8192 * 20_480
     dense_blocks = (80 * GIB - reservation) // (32 * 147_456)
     assert plan.dense.draft_context_bytes == reservation
     assert plan.dense.num_blocks == dense_blocks
-    assert plan.dense.concurrent_requests == min(64, dense_blocks // 32)
+    assert dense_blocks == 15_928 and plan.dense.uncapped_requests == 497  # 70 GiB left after 10 GiB
+    assert plan.dense.concurrent_requests == 64
 
 
 def test_dense_reservation_larger_than_budget_leaves_no_target_pool():
