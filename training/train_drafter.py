@@ -139,7 +139,6 @@ def train_drafter(args: TrainDrafterArgs) -> dict:
     """Run the whole command; return the summary also written to <out>/train_log.json."""
     started = time.monotonic()
     out, device = Path(args.out), resolve_device(args.device)
-    out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(args.seed)
     target, checkpoint = load_frozen_target(args.target, device)
     config = checkpoint.config
@@ -148,6 +147,7 @@ def train_drafter(args: TrainDrafterArgs) -> dict:
     eos_id = checkpoint.eos_token_ids[0] if checkpoint.eos_token_ids else None
     pad_id = mask_token_id if eos_id is None else eos_id  # separates documents and pads rows
     train_docs, held_docs = split_documents(load_documents(args.corpus), args.held_out_percent)
+    out.mkdir(parents=True, exist_ok=True)  # only now: a run refused above leaves no empty folder behind
     stream = token_stream(encode_documents(checkpoint.tokenizer, train_docs), pad_id)
     generated = _generated(args, target, stream, eos_id, pad_id)
     config_json = drafter_config_json(

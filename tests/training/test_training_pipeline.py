@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from tiny_checkpoints import write_target_checkpoint
 
 from dflash_cli.main import main
 from drafter_service.checkpoint import load_drafter
@@ -100,15 +101,31 @@ def test_train_commands_write_loadable_checkpoints_and_a_lossless_evaluation(cor
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["train", "target", "--out", "x", "--heads", "3", "--kv-heads", "2"], "multiple of kv_heads"),
-    (["train", "target", "--out", "x", "--corpus", "/no/such/dir"], "neither a file nor a directory"),
-    (["train", "target", "--out", "x", "--warmup-steps", "9", "--steps", "5"], "exceeds steps"),
-    (["train", "drafter", "--target", "/no/such", "--out", "x"], "not a checkpoint directory"),
-    (["train", "drafter", "--target", "t", "--out", "x", "--eval-k", "20"], "block_size - 1"),
+    (["train", "target", "--heads", "3", "--kv-heads", "2"], "multiple of kv_heads"),
+    (["train", "target", "--corpus", "/no/such/dir"], "neither a file nor a directory"),
+    (["train", "target", "--warmup-steps", "9", "--steps", "5"], "exceeds steps"),
+    (["train", "drafter", "--target", "/no/such"], "not a checkpoint directory"),
+    (["train", "drafter", "--target", "t", "--eval-k", "20"], "block_size - 1"),
 ])
-def test_bad_train_arguments_exit_2_naming_the_problem(argv, message, capsys):
-    assert main(argv) == 2
+def test_bad_train_arguments_exit_2_naming_the_problem_and_write_nothing(argv, message, capsys, tmp_path):
+    out = tmp_path / "out"
+    assert main([*argv, "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("extra, message", [
+    ([], "has no tokenizer.json"),  # found only once the target is open
+    (["--mask-token-id", "10000"], "outside the target's vocabulary"),
+])
+def test_a_drafter_run_refused_after_opening_the_target_leaves_no_output_folder(extra, message, capsys,
+                                                                                  tmp_path):
+    target = write_target_checkpoint(tmp_path / "target", tokenizer=bool(extra))
+    out = tmp_path / "out"
+    assert main(["train", "drafter", "--target", str(target), "--out", str(out), *extra]) == 2
     assert message in capsys.readouterr().err
+    assert not out.exists()
 
 
 def test_sharded_save_respects_the_limit_and_round_trips(tmp_path):
