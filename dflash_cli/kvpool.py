@@ -9,12 +9,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import logging
+import shutil
 import signal
 
+from dflash_cli.flags import byte_size
 from dflash_cli.main import CliError
-from foundation.byte_size import format_bytes, parse_byte_size
+from foundation.byte_size import format_bytes
 from foundation.checkpoint_config import load_drafter_config, load_target_config
+from foundation.device_name import check_device_name
 from kvpool_service.spec import CONTEXT_DTYPES, PoolLayout, PoolSpec
 
 logger = logging.getLogger(__name__)
@@ -55,6 +59,11 @@ def _check_args(args: argparse.Namespace) -> None:
             raise CliError(f"{flag} must be >= 1, got {value}")
     if not 0.0 <= args.watermark < 1.0:
         raise CliError(f"--watermark must be a fraction in [0, 1), got {args.watermark}")
+    if args.device is not None:
+        try:
+            check_device_name(args.device)
+        except ValueError as error:
+            raise CliError(f"--device: {error}") from None
 
 
 def build_pool(args: argparse.Namespace):
@@ -62,6 +71,7 @@ def build_pool(args: argparse.Namespace):
     bytes, its memory shared (/dev/shm without a GPU) so engines on this node can map it."""
     import torch
 
+    from foundation.shm import SHM_DIR
     from kvpool_service.assembler import MIN_BLOCKS, PoolArgs
     from kvpool_service.assembler import build_pool as assemble_pool
 
@@ -70,17 +80,31 @@ def build_pool(args: argparse.Namespace):
     drafter = load_drafter_config(args.drafter)
     spec = PoolSpec.from_configs(target, drafter, tokens_per_block=args.tokens_per_block,
                                  context_dtype=args.context_dtype)
-    memory = parse_byte_size(args.memory)
+    memory = byte_size("--memory", args.memory)
     num_blocks = spec.num_blocks(memory)
     if num_blocks < MIN_BLOCKS:
         held = "no block" if num_blocks == 0 else f"{num_blocks} block"
         raise CliError(f"--memory {args.memory} holds {held}: one block of {spec.tokens_per_block} tokens "
                        f"takes {format_bytes(spec.bytes_per_block)} and at least {MIN_BLOCKS} are needed")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    pool = assemble_pool(PoolArgs(
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise CliError(f"--device {device}: CUDA is not available on this machine")
+    pool_args = PoolArgs(
         spec=spec, budget_bytes=memory, max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len or target.max_position_embeddings, watermark=args.watermark,
-        enable_prefix_caching=not args.no_prefix_caching, device=device, share=True))
+        enable_prefix_caching=not args.no_prefix_caching, device=device, share=True)
+    try:
+        pool = assemble_pool(pool_args)
+    except OSError as error:  # /dev/shm cannot hold the pool (posix_fallocate: ENOSPC, EFBIG)
+        if error.errno not in (errno.ENOSPC, errno.EFBIG):
+            raise
+        free = shutil.disk_usage(SHM_DIR).free
+        raise CliError(f"--memory {args.memory} does not fit in {SHM_DIR}: {format_bytes(free)} free "
+                       f"there; give less memory or mount a larger {SHM_DIR}") from None
+    except torch.OutOfMemoryError:
+        free, _ = torch.cuda.mem_get_info(torch.device(device))
+        raise CliError(f"--memory {args.memory} does not fit on {device}: {format_bytes(free)} free "
+                       "there") from None
     logger.info("pool of %d blocks x %d tokens, %s on %s", pool.layout.num_blocks, spec.tokens_per_block,
                 format_bytes(pool.memory.nbytes), pool.memory.device)
     return pool
@@ -101,7 +125,11 @@ def run(args: argparse.Namespace) -> int:
 async def _serve(blocks, layout: PoolLayout, host: str, port: int, token: str | None) -> None:
     from kvpool_service.server import KVPoolServer
 
-    server = await KVPoolServer.start(blocks, layout, host=host, port=port, token=token)
+    try:
+        server = await KVPoolServer.start(blocks, layout, host=host, port=port, token=token)
+    except OSError:  # in use, or not ours to bind (below 1024); gRPC does not say which
+        raise CliError(f"--port {port}: cannot listen on {host}:{port} (the port is in use, or --host "
+                       f"{host} is no address of this machine)") from None
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

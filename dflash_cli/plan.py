@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from foundation.byte_size import format_bytes, parse_byte_size
+from dflash_cli.flags import byte_size
+from foundation.byte_size import format_bytes
 from foundation.checkpoint_config import load_drafter_config, load_target_config
 from kvpool_service.spec import CONTEXT_DTYPES, PoolPlan, PoolSpec, plan_pool
 
@@ -36,7 +37,7 @@ def run(args: argparse.Namespace) -> int:
         target, drafter, tokens_per_block=args.tokens_per_block, context_dtype=args.context_dtype
     )
     plan = plan_pool(
-        spec, parse_byte_size(args.memory), max_model_len=args.max_model_len,
+        spec, byte_size("--memory", args.memory), max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, avg_seq_len=args.avg_seq_len,
     )
     print(json.dumps(plan.model_dump(), indent=2) if args.json else render_plan(spec, plan))

@@ -252,8 +252,11 @@ class KVPoolServer:
         # Room for the largest valid Open: every slot with a max_model_len prompt (5 bytes a token).
         max_message = min(2**31 - 1, max(4 << 20, blocks.max_num_seqs * blocks.max_model_len * 6 + (1 << 20)))
         interceptors = ([BearerTokenAuth(token)] if token else []) + [_StatusMapper()]
+        # so_reuseport off: gRPC turns it on by default, and then a second pool started on a port in use
+        # binds as well and the kernel splits the clients between two pools that know nothing of each other.
         server = grpc.aio.server(interceptors=interceptors, options=[
-            ("grpc.max_receive_message_length", max_message), ("grpc.max_send_message_length", max_message)])
+            ("grpc.max_receive_message_length", max_message), ("grpc.max_send_message_length", max_message),
+            ("grpc.so_reuseport", 0)])
         servicer = KVPoolServicer(blocks, layout)
         kvpool_pb2_grpc.add_KVPoolServicer_to_server(servicer, server)
         health_servicer = health.aio.HealthServicer()

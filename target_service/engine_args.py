@@ -9,9 +9,10 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from foundation.byte_size import parse_byte_size
+from foundation.device_name import check_device_name
 
 
 class EngineArgs(BaseModel):
@@ -32,11 +33,19 @@ class EngineArgs(BaseModel):
     enable_prefix_caching: bool = True
     seed: int | None = None
 
-    @model_validator(mode="after")
-    def _sizes(self):
-        if self.kv_cache_memory is not None:
-            parse_byte_size(self.kv_cache_memory)
-        return self
+    # Field validators, not one model validator: an error then carries the field's name (the CLI
+    # prints it as the flag, --kv-cache-memory), where a model-level error carries none.
+    @field_validator("kv_cache_memory")
+    @classmethod
+    def _size(cls, value: int | str | None) -> int | str | None:
+        if value is not None:
+            parse_byte_size(value)
+        return value
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, value: str | None) -> str | None:
+        return value if value is None else check_device_name(value)
 
 
 def resolve_device(name: str | None) -> torch.device:

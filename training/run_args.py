@@ -8,9 +8,10 @@ their fields, and `dflash --help` must not wait for torch.
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from foundation.byte_size import parse_byte_size
+from foundation.device_name import check_device_name
 
 
 class TrainRunArgs(BaseModel):
@@ -32,11 +33,21 @@ class TrainRunArgs(BaseModel):
     stop_after: int | None = Field(None, ge=1)
     resume: bool = False
 
+    @field_validator("max_shard_size")
+    @classmethod
+    def _size(cls, value: str) -> str:
+        parse_byte_size(value)  # a field validator, so the error names the field (the CLI: its flag)
+        return value
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, value: str | None) -> str | None:
+        return value if value is None else check_device_name(value)
+
     @model_validator(mode="after")
     def _check_run(self):
         if self.warmup_steps > self.steps:
             raise ValueError(f"warmup_steps ({self.warmup_steps}) exceeds steps ({self.steps})")
-        parse_byte_size(self.max_shard_size)
         return self
 
 

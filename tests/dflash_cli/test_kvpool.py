@@ -53,18 +53,29 @@ def read_line(stream, timeout: float) -> str:
     return line[0] if line else ""
 
 
+def dflash_process(*argv, **popen) -> subprocess.Popen:
+    """`dflash *argv` as its own process, stdout and stderr piped unless `popen` says otherwise."""
+    popen = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, **popen}
+    return subprocess.Popen([sys.executable, "-c", RUNNER, *map(str, argv)], text=True, cwd=ROOT,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)}, **popen)
+
+
+def start_pool(*flags) -> tuple[subprocess.Popen, str]:
+    """A `dflash kvpool` on any free port, and its address once it listens."""
+    process = dflash_process("kvpool", "--target", TARGET, "--drafter", DRAFTER, "--memory", "64MiB",
+                             "--port", "0", *flags)
+    line = read_line(process.stdout, timeout=60)
+    if not line.startswith("kvpool listening on 127.0.0.1:"):
+        process.kill()
+        pytest.fail(f"no pool: {line!r}, exit {process.wait()}: {process.stderr.read()}")
+    return process, line.split()[3]
+
+
 def test_kvpool_serves_until_sigterm_and_admin_reads_it(dflash, tmp_path):
     token_file = tmp_path / "token"
     token_file.write_text("t0ken\n")
-    process = subprocess.Popen(
-        [sys.executable, "-c", RUNNER, "kvpool", "--target", TARGET, "--drafter", DRAFTER,
-         "--memory", "64MiB", "--port", "0", "--token-file", token_file, "--max-num-seqs", "8"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)})
+    process, address = start_pool("--token-file", token_file, "--max-num-seqs", "8")
     try:
-        line = read_line(process.stdout, timeout=60)
-        assert line.startswith("kvpool listening on 127.0.0.1:"), (line, process.poll())
-        address = line.split()[3]
         code, out, _ = dflash("admin", "stats", "--address", address, "--token-file", token_file, "--json")
         assert code == 0
         stats = json.loads(out)
@@ -103,6 +114,43 @@ def test_bad_flags_exit_with_one_sentence(dflash, tmp_path):
         code, _, err = dflash(*argv)
         assert code == want_code and words in err, (argv, code, err)
         assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_a_second_pool_on_the_same_port_is_refused_naming_port():
+    """gRPC binds with SO_REUSEPORT by default: without turning it off, this second pool would serve too."""
+    first, address = start_pool()
+    try:
+        port = address.rsplit(":", 1)[1]
+        second = dflash_process("kvpool", "--target", TARGET, "--drafter", DRAFTER, "--memory", "64MiB",
+                                "--port", port)
+        try:
+            _, err = second.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            second.kill()
+            pytest.fail("the second pool is serving on a port already in use")
+        assert second.returncode == 2
+        assert err.startswith(f"dflash kvpool: error: --port {port}: cannot listen on 127.0.0.1:{port}")
+        assert len(err.strip().splitlines()) == 1, err  # gRPC's own log line is not shown either
+    finally:
+        first.send_signal(signal.SIGTERM)
+        first.wait(timeout=30)
+
+
+def test_admin_stats_into_a_reader_that_left_exits_quietly():
+    """`dflash admin stats | head -2`, where head is gone before anything is written: exit 141 (what a
+    shell shows for SIGPIPE), no traceback, no "Exception ignored" at interpreter exit."""
+    pool, address = start_pool()
+    try:
+        reader, writer = os.pipe()
+        os.close(reader)  # the reader has left
+        stats = dflash_process("admin", "stats", "--address", address, stdout=writer)
+        os.close(writer)
+        err = stats.stderr.read()
+        assert stats.wait(timeout=60) == 141, err
+        assert err == ""
+    finally:
+        pool.send_signal(signal.SIGTERM)
+        pool.wait(timeout=30)
 
 
 def test_token_file_help_says_the_variable_holds_the_token_itself(dflash, monkeypatch, capsys):

@@ -79,6 +79,7 @@ def test_plan_table_names_both_storages(capsys):
     [
         (["--memory", "lots"], "cannot read 'lots' as a size"),
         (["--memory", "40GiB", "--tokens-per-block", "24"], "--tokens-per-block: tokens_per_block must be"),
+        (["--memory", "-5GiB"], "--memory: size '-5GiB' must be a positive whole number of bytes"),
         (["--memory", "40GiB", "--avg-seq-len", "-1"], "avg_seq_len must be positive, got -1"),
     ],
 )

@@ -104,8 +104,10 @@ def test_train_commands_write_loadable_checkpoints_and_a_lossless_evaluation(cor
     (["train", "target", "--heads", "3", "--kv-heads", "2"], "multiple of kv_heads"),
     (["train", "target", "--corpus", "/no/such/dir"], "neither a file nor a directory"),
     (["train", "target", "--warmup-steps", "9", "--steps", "5"], "exceeds steps"),
+    (["train", "target", "--max-shard-size", "banana"], "--max-shard-size: cannot read 'banana'"),
     (["train", "drafter", "--target", "/no/such"], "not a checkpoint directory"),
     (["train", "drafter", "--target", "t", "--eval-k", "20"], "block_size - 1"),
+    (["train", "drafter", "--target", "t", "--device", "tpu"], "--device: must be cpu, cuda or cuda:N"),
 ])
 def test_bad_train_arguments_exit_2_naming_the_problem_and_write_nothing(argv, message, capsys, tmp_path):
     out = tmp_path / "out"

@@ -1,0 +1,125 @@
+"""Every mistake a new user makes in the first hour is one line, `dflash <cmd>: error: <flag>: ...`,
+exit status 2, naming the flag (or the field) and what would be right; none is a traceback."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import socket
+from pathlib import Path
+
+import pytest
+from pydantic import BaseModel, ValidationError, model_validator
+from tiny_checkpoints import write_drafter_checkpoint, write_target_checkpoint
+
+import dflash_cli.main as cli
+from dflash_cli.flags import attach_dash_values
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = ("--target", str(ROOT / "examples" / "qwen3-8b"),
+            "--drafter", str(ROOT / "examples" / "qwen3-8b-dflash-b16"))
+UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """A tiny target of 4,096 positions and its drafter."""
+    root = tmp_path_factory.mktemp("pair")
+    target = write_target_checkpoint(root / "target", max_position_embeddings=4096)
+    return str(target), str(write_drafter_checkpoint(root / "drafter", target))
+
+
+@pytest.fixture
+def dflash(capsys, monkeypatch):
+    monkeypatch.delenv("DFLASH_KVPOOL_TOKEN", raising=False)
+
+    def run(*argv: str) -> tuple[int, str]:
+        code = cli.main([str(a) for a in argv])
+        err = capsys.readouterr().err
+        assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+        return code, err.strip()
+    return run
+
+
+def test_a_pool_larger_than_shared_memory_names_memory_and_what_is_free(dflash):
+    free = shutil.disk_usage("/dev/shm").free
+    assert free < 10 * 2**40  # the premise: no machine here has 10 TiB of /dev/shm
+    code, err = dflash("kvpool", *EXAMPLES, "--memory", "10TiB", "--device", "cpu", "--port", "0")
+    assert code == 2
+    assert err.startswith("dflash kvpool: error: --memory 10TiB does not fit in /dev/shm: ")
+    number, unit = re.search(r"/dev/shm: ([0-9.]+) (\w+) free there", err).groups()
+    assert abs(float(number) * UNITS[unit] - free) < 2**30  # what is free (other tests may take some)
+
+
+def test_a_port_in_use_names_port(dflash):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        code, err = dflash("kvpool", *EXAMPLES, "--memory", "64MiB", "--device", "cpu", "--port", port)
+    assert code == 2
+    assert err.startswith(f"dflash kvpool: error: --port {port}: cannot listen on 127.0.0.1:{port}")
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (("generate", "--prompt-ids", "1,2", "--device", "tpu"),
+     "dflash generate: error: --device: must be cpu, cuda or cuda:N, got 'tpu'"),
+    (("generate", "--prompt-ids", "1,2", "--kv-cache-memory", "banana"),
+     "dflash generate: error: --kv-cache-memory: cannot read 'banana' as a size"),
+    (("generate", "--prompt-ids", "1,2", "--kv-cache-memory", "-5GiB"),
+     "dflash generate: error: --kv-cache-memory: size '-5GiB' must be a positive"),
+    (("generate", "--prompt-ids", "1,2", "--max-model-len", "100000"),
+     "dflash generate: error: max_model_len 100000 exceeds the target's max_position_embeddings 4096"),
+    (("generate", "--prompt-ids", "1,2", "-k", "-3"),
+     "dflash generate: error: --num-speculative-tokens: Input should be greater than or equal to 1, got -3"),
+])
+def test_generate_refuses_bad_values_naming_the_flag(dflash, pair, argv, expected):
+    target, drafter = pair
+    code, err = dflash(*argv, "--target", target, "--drafter", drafter)
+    assert code == 2 and err.startswith(expected), err
+
+
+@pytest.mark.parametrize("command", ["plan", "kvpool"])
+def test_a_negative_memory_reaches_validation(dflash, command):
+    extra = ("--max-model-len", "4096", "--max-num-seqs", "8") if command == "plan" else ("--device", "cpu")
+    code, err = dflash(command, *EXAMPLES, "--memory", "-5GiB", *extra)
+    assert code == 2
+    assert err == f"dflash {command}: error: --memory: size '-5GiB' must be a positive whole number of bytes"
+
+
+def test_kvpool_refuses_an_unknown_device(dflash):
+    code, err = dflash("kvpool", *EXAMPLES, "--memory", "64MiB", "--device", "tpu")
+    assert code == 2 and err == "dflash kvpool: error: --device: must be cpu, cuda or cuda:N, got 'tpu'"
+
+
+def test_argparse_mistakes_are_one_line_too(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["plan", "--memory", "1GiB"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and len(err.strip().splitlines()) == 1
+    assert err.startswith("dflash plan: error: the following arguments are required: --target, --drafter")
+
+
+def test_an_error_of_the_whole_model_is_its_message_without_an_empty_name():
+    class Run(BaseModel):
+        steps: int
+        warmup_steps: int
+
+        @model_validator(mode="after")
+        def _check(self):
+            raise ValueError("warmup_steps (9) exceeds steps (5)")
+    with pytest.raises(ValidationError) as error:
+        Run(steps=5, warmup_steps=9)
+    assert cli._first_error(error.value, {"--steps"}) == "warmup_steps (9) exceeds steps (5)"
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["plan", "--memory", "-5GiB"], ["plan", "--memory=-5GiB"]),
+    (["generate", "-k", "-3", "p"], ["generate", "-k=-3", "p"]),
+    (["plan", "--memory", "--json"], ["plan", "--memory", "--json"]),  # a flag stays a flag
+    (["generate", "--device", "-v"], ["generate", "--device", "-v"]),  # a short flag too
+    (["plan", "--json", "-5"], ["plan", "--json", "-5"]),  # --json takes no value
+    (["generate", "--", "--max-tokens", "-5"], ["generate", "--", "--max-tokens", "-5"]),  # after --: words
+])
+def test_dash_values_are_attached_to_their_flag_only(argv, expected):
+    assert attach_dash_values(cli.build_parser(), argv) == expected
