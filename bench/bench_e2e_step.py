@@ -135,6 +135,7 @@ def engine_case(llm, batch: int, context: int, steps: int, k: int, vocab: int, s
         result["prefill_s"] = round(time.perf_counter() - started, 4)
         engine.drafter, engine.scheduler.num_speculative_tokens = None, 0  # plain decode, same engine
         engine.step()  # warm-up of this shape
+        preemptions = engine.scheduler.num_preemptions
         plain, plain_tokens = _timed_steps(engine, device, steps)
         result["plain"] = {
             **_spread(plain),
@@ -148,6 +149,7 @@ def engine_case(llm, batch: int, context: int, steps: int, k: int, vocab: int, s
             **_spread(spec),
             "tokens_per_s": spec_tokens / sum(spec),
             "mean_acceptance_length": spec_tokens / (batch * steps),
+            "preemptions": engine.scheduler.num_preemptions - preemptions,
             **_kernel_profile(engine, device),
         }
     finally:
