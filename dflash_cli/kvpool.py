@@ -74,6 +74,7 @@ def build_pool(args: argparse.Namespace):
     from foundation.shm import SHM_DIR
     from kvpool_service.assembler import MIN_BLOCKS, PoolArgs
     from kvpool_service.assembler import build_pool as assemble_pool
+    from target_service.engine_args import resolve_device
 
     _check_args(args)
     target = load_target_config(args.target)
@@ -86,9 +87,10 @@ def build_pool(args: argparse.Namespace):
         held = "no block" if num_blocks == 0 else f"{num_blocks} block"
         raise CliError(f"--memory {args.memory} holds {held}: one block of {spec.tokens_per_block} tokens "
                        f"takes {format_bytes(spec.bytes_per_block)} and at least {MIN_BLOCKS} are needed")
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise CliError(f"--device {device}: CUDA is not available on this machine")
+    try:
+        device = str(resolve_device(args.device))
+    except ValueError as error:  # cuda without CUDA, or cuda:N past the last GPU
+        raise CliError(f"--device: {error}") from None
     pool_args = PoolArgs(
         spec=spec, budget_bytes=memory, max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len or target.max_position_embeddings, watermark=args.watermark,

@@ -55,6 +55,10 @@ def resolve_device(name: str | None) -> torch.device:
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {name!r} was asked for but CUDA is not available")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        count = torch.cuda.device_count()
+        have = "1 CUDA device (cuda:0)" if count == 1 else f"{count} CUDA devices (cuda:0..cuda:{count - 1})"
+        raise ValueError(f"device {name!r} was asked for but this machine has {have}")
     return device
 
 

@@ -92,6 +92,16 @@ def test_kvpool_refuses_an_unknown_device(dflash):
     assert code == 2 and err == "dflash kvpool: error: --device: must be cpu, cuda or cuda:N, got 'tpu'"
 
 
+def test_a_gpu_this_machine_lacks_is_refused(dflash, pair):
+    # without CUDA: "... but CUDA is not available"; with fewer GPUs: "... but this machine has N"
+    code, err = dflash("kvpool", *EXAMPLES, "--memory", "64MiB", "--device", "cuda:99")
+    assert code == 2 and err.startswith("dflash kvpool: error: --device: device 'cuda:99' was asked for but")
+    target, drafter = pair
+    code, err = dflash("generate", "--prompt-ids", "1,2", "--target", target, "--drafter", drafter,
+                       "--device", "cuda:99")
+    assert code == 2 and err.startswith("dflash generate: error: device 'cuda:99' was asked for but")
+
+
 def test_argparse_mistakes_are_one_line_too(capsys):
     with pytest.raises(SystemExit) as exit_:
         cli.main(["plan", "--memory", "1GiB"])

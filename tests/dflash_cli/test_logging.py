@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -22,8 +21,9 @@ ROOT = Path(__file__).resolve().parents[2]
 def generate(target: Path, drafter: Path, *flags: str) -> subprocess.CompletedProcess:
     argv = ["generate", "--target", target, "--drafter", drafter, "--prompt-ids", "5,6,7",
             "--max-tokens", "4", "--device", "cpu", *flags]
+    # -m from the repository root: this checkout's dflash_cli, whatever is installed
     return subprocess.run([sys.executable, "-m", "dflash_cli.main", *map(str, argv)], capture_output=True,
-                          text=True, cwd=ROOT, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
+                          text=True, cwd=ROOT, timeout=300)
 
 
 def test_generate_logs_nothing_by_default_and_info_with_v(tmp_path):
