@@ -8,11 +8,19 @@ from pathlib import Path
 GOALS_MS = {"plain": {1: 6.0, 32: 14.0}, "dflash": {1: 6.5, 32: 20.0}}
 
 
-def _ms(spread: dict) -> str:
+def _ms(spread: dict | None) -> str:
+    if not spread:
+        return "-"
     return f"{spread['median'] * 1e3:.2f} ({spread['p10'] * 1e3:.2f}-{spread['p90'] * 1e3:.2f})"
 
 
+def _cell(case: dict | None, label: str, field: str, fmt: str = "{:.0f}") -> str:
+    value = (case or {}).get(label, {}).get(field)
+    return "-" if value is None else fmt.format(value)
+
+
 def markdown(result: dict) -> str:
+    plain = {(c["batch"], c["context"]): c for c in result["plain"]}
     hf = {(row["batch"], row["context"]): row for row in result["hf"]}
     lines = [
         f"# End-to-end step: {result['name']}",
@@ -21,38 +29,48 @@ def markdown(result: dict) -> str:
         f"date {result['date']}",
         f"- command: `{result['command']}`",
         f"- geometry {result['geometry']} (random weights), {result['dtype']}, "
-        f"K {result['num_speculative_tokens']}, acceptance simulated around "
-        f"{result['simulate_acceptance']} (bench only), {result['steps']} timed steps per case; "
-        f"pool {result['pool_blocks']} blocks of {result['tokens_per_block']}",
+        f"K {result.get('num_speculative_tokens', '-')}, acceptance simulated around "
+        f"{result['simulate_acceptance']} (bench only), {result['steps']} timed steps per case and mode",
+        "- plain: an engine without a drafter; DFlash: the engine with the drafter. Each case is timed "
+        "from CUDA graphs and eagerly, side by side on the same engine and sequences.",
         "",
-        "ms per step: median (p10-p90). tok/s counts emitted tokens over the timed steps.",
+        "ms per step: median (p10-p90); tok/s: emitted tokens over the timed steps; launches: kernels of "
+        "one step (torch profiler).",
         "",
-        "| B | context | prefill s | plain ms/step | plain tok/s | DFlash ms/step | DFlash tok/s "
-        "| acceptance | launches plain / DFlash | GPU busy ms plain / DFlash | HF decode ms "
-        "| HF verify K+1 ms |",
+        "| B | context | plain ms, graphs | plain ms, eager | plain tok/s graphs / eager | DFlash ms, graphs "
+        "| DFlash ms, eager | DFlash tok/s graphs / eager | acceptance | launches DFlash graphs / eager "
+        "| HF decode ms | HF verify K+1 ms |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
-    for case in result["engine"]:
-        plain, spec = case["plain"], case["dflash"]
-        ref = hf.get((case["batch"], case["context"]))
+    for case in result["dflash"]:
+        key = (case["batch"], case["context"])
+        base, ref = plain.get(key), hf.get(key)
         lines.append(
-            f"| {case['batch']} | {case['context']} | {case['prefill_s']:.2f} | {_ms(plain)} | "
-            f"{plain['tokens_per_s']:.0f} | {_ms(spec)} | {spec['tokens_per_s']:.0f} | "
-            f"{spec['mean_acceptance_length']:.2f} | {plain.get('kernel_launches', '-')} / "
-            f"{spec.get('kernel_launches', '-')} | {plain.get('gpu_busy_ms', '-')} / "
-            f"{spec.get('gpu_busy_ms', '-')} | "
+            f"| {key[0]} | {key[1]} | {_ms((base or {}).get('graphs'))} | {_ms((base or {}).get('eager'))} | "
+            f"{_cell(base, 'graphs', 'tokens_per_s')} / {_cell(base, 'eager', 'tokens_per_s')} | "
+            f"{_ms(case.get('graphs'))} | {_ms(case.get('eager'))} | "
+            f"{_cell(case, 'graphs', 'tokens_per_s')} / {_cell(case, 'eager', 'tokens_per_s')} | "
+            f"{_cell(case, 'graphs' if 'graphs' in case else 'eager', 'mean_acceptance_length', '{:.2f}')} | "
+            f"{_cell(case, 'graphs', 'kernel_launches')} / {_cell(case, 'eager', 'kernel_launches')} | "
             f"{_ms(ref['decode']) if ref else '-'} | {_ms(ref['verify']) if ref else '-'} |"
         )
+    busy = [
+        f"B {c['batch']} ctx {c['context']}: {_cell(c, 'graphs', 'gpu_busy_ms', '{:.1f}')} ms"
+        for c in result["dflash"]
+    ]
+    lines += ["", "GPU busy time of one DFlash step from graphs: " + "; ".join(busy) + "."]
     if result["skipped"]:
         lines += [
             "",
             "Not run: "
-            + ", ".join(f"B {s['batch']} ctx {s['context']} ({s['why']})" for s in result["skipped"]),
+            + ", ".join(
+                f"{s['mode']} B {s['batch']} ctx {s['context']} ({s['why']})" for s in result["skipped"]
+            ),
         ]
     lines += [
         "",
-        "Goals (issue): plain decode <= 6 ms at B 1 and <= 14 ms at B 32; a DFlash step <= 6.5 ms at "
-        "B 1 and <= 20 ms at B 32.",
+        "Goals (issue): plain decode <= 6 ms at B 1 and <= 14 ms at B 32; a DFlash step <= 6.5 ms "
+        "at B 1 and <= 20 ms at B 32.",
         "",
     ]
     return "\n".join(lines)
@@ -64,23 +82,30 @@ def plot(result: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    contexts = sorted({case["context"] for case in result["engine"]})
-    figure, axes = plt.subplots(
-        1, max(len(contexts), 1), figsize=(5 * max(len(contexts), 1), 4), squeeze=False
-    )
+    contexts = sorted({case["context"] for case in result["dflash"]}) or [0]
+    figure, axes = plt.subplots(1, len(contexts), figsize=(5 * len(contexts), 4), squeeze=False)
     hf = {(row["batch"], row["context"]): row for row in result["hf"]}
     for axis, context in zip(axes[0], contexts):
-        cases = [case for case in result["engine"] if case["context"] == context]
-        batches = [case["batch"] for case in cases]
-        axis.plot(batches, [c["plain"]["tokens_per_s"] for c in cases], marker="o", label="engine plain")
-        axis.plot(batches, [c["dflash"]["tokens_per_s"] for c in cases], marker="o", label="engine DFlash")
-        refs = [(b, hf[(b, context)]) for b in batches if (b, context) in hf]
+        for mode, color in (("plain", "tab:blue"), ("dflash", "tab:orange")):
+            cases = [c for c in result[mode] if c["context"] == context]
+            for label, style in (("graphs", "-"), ("eager", ":")):
+                points = [(c["batch"], c[label]["tokens_per_s"]) for c in cases if label in c]
+                if points:
+                    axis.plot(
+                        *zip(*points), marker="o", linestyle=style, color=color, label=f"{mode} {label}"
+                    )
+        refs = [
+            (b, hf[(b, context)])
+            for b in sorted({c["batch"] for c in result["dflash"]})
+            if (b, context) in hf
+        ]
         if refs:
             axis.plot(
                 [b for b, _ in refs],
                 [b / r["decode"]["median"] for b, r in refs],
                 marker="s",
                 linestyle="--",
+                color="tab:green",
                 label="HF eager plain",
             )
         for name, goals in GOALS_MS.items():
@@ -90,6 +115,7 @@ def plot(result: dict, path: Path) -> None:
                 [b * acceptance / (ms / 1e3) for b, ms in goals.items()],
                 marker="*",
                 s=90,
+                color="tab:orange" if name == "dflash" else "tab:blue",
                 label=f"goal {name}",
             )
         axis.set(

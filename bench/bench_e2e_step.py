@@ -111,20 +111,27 @@ def _kernel_profile(engine, device: torch.device) -> dict:
     }
 
 
+def _graphs_on(engine, on: bool, saved: tuple) -> None:
+    """Switch both CUDA graph runners (the target's, the drafter's) on or off on a live engine."""
+    target_graphs, draft_graphs = saved
+    engine.graphs = target_graphs if on else None
+    if engine.drafter is not None:
+        engine.drafter.graphs = draft_graphs if on else None
+
+
 def engine_case(llm, batch: int, context: int, steps: int, k: int, vocab: int, seed: int) -> dict:
-    """Prefill B prompts of C tokens, then time plain decode steps and DFlash steps on the same engine."""
+    """Prefill B prompts of C tokens, then time `steps` steps from CUDA graphs and `steps` eager steps
+    side by side on the same engine and sequences."""
     from target_service.sampling_params import SamplingParams
 
     engine, device = llm.engine, llm.engine.device
     generator = torch.Generator().manual_seed(seed)
-    max_tokens = 2 * steps * (k + 1) + 8
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=2 * (steps + 1) * (k + 1) + 8, temperature=0.0, ignore_eos=True)
     ids = [f"b{batch}-c{context}-{i}" for i in range(batch)]
     for request_id in ids:
-        engine.add_request(
-            request_id, torch.randint(3, vocab - 2, (context,), generator=generator).tolist(), params
-        )
-    drafter, num_draft = engine.drafter, engine.scheduler.num_speculative_tokens
+        prompt = torch.randint(3, vocab - 2, (context,), generator=generator).tolist()
+        engine.add_request(request_id, prompt, params)
+    saved = (engine.graphs, getattr(engine.drafter, "graphs", None))
     result = {"batch": batch, "context": context}
     try:
         _sync(device)
@@ -133,27 +140,22 @@ def engine_case(llm, batch: int, context: int, steps: int, k: int, vocab: int, s
             engine.step()
         _sync(device)
         result["prefill_s"] = round(time.perf_counter() - started, 4)
-        engine.drafter, engine.scheduler.num_speculative_tokens = None, 0  # plain decode, same engine
-        engine.step()  # warm-up of this shape
-        preemptions = engine.scheduler.num_preemptions
-        plain, plain_tokens = _timed_steps(engine, device, steps)
-        result["plain"] = {
-            **_spread(plain),
-            "tokens_per_s": plain_tokens / sum(plain),
-            **_kernel_profile(engine, device),
-        }
-        engine.drafter, engine.scheduler.num_speculative_tokens = drafter, num_draft
-        engine.step()
-        spec, spec_tokens = _timed_steps(engine, device, steps)
-        result["dflash"] = {
-            **_spread(spec),
-            "tokens_per_s": spec_tokens / sum(spec),
-            "mean_acceptance_length": spec_tokens / (batch * steps),
-            "preemptions": engine.scheduler.num_preemptions - preemptions,
-            **_kernel_profile(engine, device),
-        }
+        for label, on in (("graphs", True), ("eager", False)):
+            if on and saved[0] is None:
+                continue  # an engine without graphs (CPU, or enforce_eager)
+            _graphs_on(engine, on, saved)
+            engine.step()  # warm-up of this shape
+            preemptions = engine.scheduler.num_preemptions
+            times, tokens = _timed_steps(engine, device, steps)
+            result[label] = {
+                **_spread(times),
+                "tokens_per_s": tokens / sum(times),
+                "mean_acceptance_length": tokens / (batch * steps),
+                "preemptions": engine.scheduler.num_preemptions - preemptions,
+                **_kernel_profile(engine, device),
+            }
     finally:
-        engine.drafter, engine.scheduler.num_speculative_tokens = drafter, num_draft
+        _graphs_on(engine, True, saved)
         for request_id in ids:
             if request_id in engine.sequences:
                 engine.abort(request_id)
@@ -186,7 +188,7 @@ def hf_case(model, batch: int, context: int, k: int, vocab: int, steps: int, see
 
 
 def _fits(batch: int, context: int, steps: int, k: int, limits) -> bool:
-    tokens_per_seq = context + 2 * steps * (k + 1) + 2 * (k + 1) + 8
+    tokens_per_seq = context + 2 * (steps + 1) * (k + 1) + 2 * (k + 1) + 8  # what engine_case may emit
     need = batch * limits.blocks_for(tokens_per_seq)
     return batch <= limits.max_num_seqs and need <= limits.max_blocks_per_seq
 
@@ -220,63 +222,67 @@ def main(argv: list[str] | None = None) -> None:
     target, drafter = write_random_pair(Path(args.checkpoints), args.geometry, dtype=dtype, seed=args.seed)
     logger.info("checkpoints ready in %.1f s", time.perf_counter() - started)
     max_context = max(args.contexts)
-    llm = LLM(
-        str(target),
-        str(drafter),
-        device=str(device),
-        dtype=dtype,
-        enable_prefix_caching=False,
-        max_num_seqs=max(args.batch_sizes),
-        max_model_len=max_context + 4 * args.steps * 16 + 64,
-        kv_cache_memory=args.kv_cache_memory,
-        max_num_batched_tokens=8192,
-        seed=args.seed,
-    )
-    engine = llm.engine
-    k, vocab = engine.scheduler.num_speculative_tokens, engine.target.config.vocab_size
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-    ).stdout.strip()
     result = {
         "name": args.name,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"),
-        "commit": commit,
+        "commit": subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+        ).stdout.strip(),
         "command": "python -m bench.bench_e2e_step " + " ".join(argv or sys.argv[1:]),
         "device": _device_name(device),
         "torch": torch.__version__,
         "geometry": args.geometry,
         "dtype": dtype,
-        "num_speculative_tokens": k,
         "simulate_acceptance": args.simulate_acceptance,
         "steps": args.steps,
-        "pool_blocks": engine.limits.num_blocks,
-        "tokens_per_block": engine.limits.tokens_per_block,
-        "engine": [],
+        "plain": [],
+        "dflash": [],
         "hf": [],
         "skipped": [],
     }
     out = Path(args.out)
-    with SimulatedAcceptance(args.simulate_acceptance, args.seed):
-        for context in args.contexts:
-            for batch in args.batch_sizes:
-                if not _fits(batch, context, args.steps, k, engine.limits):
-                    result["skipped"].append({"batch": batch, "context": context, "why": "pool too small"})
-                    continue
-                result["engine"].append(engine_case(llm, batch, context, args.steps, k, vocab, args.seed))
-                logger.info("engine %s", json.dumps(result["engine"][-1]))
-                _save(result, out, plot_too=False)  # a run cut short keeps what it measured
-    llm.close()
-    del llm, engine
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    for mode in ("plain", "dflash"):  # one engine at a time: each gets the whole device
+        llm = LLM(
+            str(target),
+            str(drafter) if mode == "dflash" else "none",
+            device=str(device),
+            dtype=dtype,
+            enable_prefix_caching=False,
+            max_num_seqs=max(args.batch_sizes),
+            max_model_len=max_context + 4 * (args.steps + 1) * 16 + 64,
+            kv_cache_memory=args.kv_cache_memory,
+            max_num_batched_tokens=8192,
+            seed=args.seed,
+        )
+        engine = llm.engine
+        k, vocab = engine.scheduler.num_speculative_tokens, engine.target.config.vocab_size
+        if mode == "dflash":
+            result["num_speculative_tokens"] = k
+        result[f"{mode}_pool_blocks"] = engine.limits.num_blocks
+        with SimulatedAcceptance(args.simulate_acceptance, args.seed):
+            for context in args.contexts:
+                for batch in args.batch_sizes:
+                    if not _fits(batch, context, args.steps, max(k, 15), engine.limits):
+                        result["skipped"].append(
+                            {"mode": mode, "batch": batch, "context": context, "why": "pool too small"}
+                        )
+                        continue
+                    result[mode].append(engine_case(llm, batch, context, args.steps, k, vocab, args.seed))
+                    logger.info("%s %s", mode, json.dumps(result[mode][-1]))
+                    _save(result, out, plot_too=False)  # a run cut short keeps what it measured
+        llm.close()
+        del llm, engine
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     if args.hf:
         from transformers import AutoModelForCausalLM
 
         model = (
             AutoModelForCausalLM.from_pretrained(str(target), dtype=getattr(torch, dtype)).to(device).eval()
         )
-        for case in result["engine"]:
+        k = result.get("num_speculative_tokens", 15)
+        for case in result["dflash"]:
             if case["batch"] * case["context"] > args.hf_max_tokens:
                 continue
             result["hf"].append(

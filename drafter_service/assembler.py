@@ -17,10 +17,12 @@ from pydantic import BaseModel, ConfigDict, PositiveInt
 
 from drafter_service.checkpoint import load_drafter, open_drafter_checkpoint
 from drafter_service.context_storage import DenseContext, PagedContext
+from drafter_service.cuda_graphs import ProposeGraphs
 from drafter_service.drafter import DraftWorker
 from drafter_service.step_buffers import StepBuffers, StepBuffersHandle
 from drafter_service.target_tables import load_target_tables
 from foundation.checkpoint_config import load_target_config
+from foundation.cuda_graph_sizes import capture_sizes
 from foundation.weights import resolve_dtype
 from kvpool_service.memory import PoolHandle, PoolMemory
 from kvpool_service.spec import PoolSpec
@@ -40,6 +42,8 @@ class DrafterArgs(BaseModel):
     context_storage: Literal["paged", "dense"] = "paged"
     max_num_seqs: PositiveInt
     max_model_len: PositiveInt
+    enforce_eager: bool = False  # no CUDA graphs of the block forward (they are captured only on a GPU)
+    cuda_graph_sizes: list[int] | None = None
 
 
 class DrafterAssembler:
@@ -74,8 +78,13 @@ class DrafterAssembler:
             "tap_width": len(self.config.target_layer_ids) * self.target_config.hidden_size,
             "max_num_draft": self.config.block_size - 1,
         }))
-        return DraftWorker(self.model, context, self.buffers, embed=self.tables.embed_tokens,
-                           lm_head=self.tables.lm_head)
+        worker = DraftWorker(self.model, context, self.buffers, embed=self.tables.embed_tokens,
+                             lm_head=self.tables.lm_head)
+        if torch.device(self.args.device).type == "cuda" and not self.args.enforce_eager:
+            sizes = capture_sizes(min(self.args.max_num_seqs, self.buffers.layout.max_num_seqs),
+                                  self.args.cuda_graph_sizes)
+            worker.graphs = ProposeGraphs(worker, sizes).capture()
+        return worker
 
     def close(self) -> None:
         if self.memory is not None:

@@ -25,6 +25,7 @@ class DraftWorker:
         self.buffers = buffers
         self.embed = embed
         self.lm_head = lm_head
+        self.graphs = None  # drafter_service.cuda_graphs.ProposeGraphs, set by the assembler on a GPU
 
     @property
     def block_size(self) -> int:
@@ -48,6 +49,13 @@ class DraftWorker:
         shortened blocks). Drafting the full block costs the same weights read for more rows.
         """
         self.buffers.check_propose(num_seqs, num_draft, num_block_cols)
+        if self.graphs is None or not self.graphs.run(num_seqs):
+            self.draft_rows(num_seqs, num_block_cols)
+
+    def draft_rows(self, num_seqs: int, num_block_cols: int) -> None:
+        """The whole block's drafts for the first num_seqs rows into draft_tokens[:num_seqs] (all
+        block_size - 1 columns; the engine reads the first K). Fixed shapes for a given num_seqs and
+        num_block_cols, so `ProposeGraphs` captures exactly this."""
         b = self.buffers
         starts, seq_slots = b.start_positions[:num_seqs], b.seq_slots[:num_seqs]
         batch = DraftBatch(
@@ -56,4 +64,4 @@ class DraftWorker:
             ctx_lens=starts.to(torch.int32),
         )
         output = self.model.propose(batch, self.context.caches, self.embed, self.lm_head, self.block_size - 1)
-        b.draft_tokens[:num_seqs, :num_draft].copy_(output.tokens[:, :num_draft])
+        b.draft_tokens[:num_seqs].copy_(output.tokens)

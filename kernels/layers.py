@@ -120,10 +120,18 @@ class RotaryEmbedding:
         self.head_dim = head_dim
         inv_freq, attention_factor = rope_frequencies(head_dim, rope_theta, rope_scaling, max_position)
         self.inv_freq, self.attention_factor = inv_freq, attention_factor
+        self._inv_freq_on: dict[torch.device, torch.Tensor] = {}
+
+    def _frequencies(self, device: torch.device) -> torch.Tensor:
+        """inv_freq on `device`, copied there once: a copy per call would be a host-to-device copy in
+        every step, which a CUDA graph cannot capture."""
+        if device not in self._inv_freq_on:
+            self._inv_freq_on[device] = self.inv_freq.to(device)
+        return self._inv_freq_on[device]
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [...] int -> cos, sin [..., head_dim] fp32 (the half-frequencies repeated twice)."""
-        inv_freq = self.inv_freq.to(positions.device)
+        inv_freq = self._frequencies(positions.device)
         angles = positions.float()[..., None] * inv_freq  # [..., D/2]
         angles = torch.cat([angles, angles], dim=-1)
         return angles.cos() * self.attention_factor, angles.sin() * self.attention_factor

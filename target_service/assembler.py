@@ -15,11 +15,13 @@ from drafter_service.control import DraftControl
 from drafter_service.step_buffers import StepBufferLayout, StepBuffers
 from foundation.byte_size import parse_byte_size
 from foundation.checkpoint_config import check_drafter_fits, load_drafter_config
+from foundation.cuda_graph_sizes import capture_sizes
 from foundation.weights import resolve_dtype
 from kvpool_service.control import PoolControl
 from kvpool_service.memory import PoolHandle, PoolMemory
 from kvpool_service.spec import PoolSpec
 from target_service.checkpoint import load_target, open_target_checkpoint
+from target_service.cuda_graphs import GraphKey, TargetGraphs
 from target_service.engine import LLMEngine
 from target_service.engine_args import EngineArgs, compute_dtype, num_speculative_tokens, resolve_device
 from target_service.memory_budget import device_kv_budget
@@ -119,8 +121,20 @@ class TargetAssembler:
                               max_num_batched_tokens=args.max_num_batched_tokens,
                               num_speculative_tokens=self.num_speculative_tokens)
         stop_checker = StopChecker(self.checkpoint.eos_token_ids, self.checkpoint.tokenizer)
-        return LLMEngine(model, self.memory.layers("target"), scheduler, limits=limits, drafter=drafter,
-                         step_buffers=self.buffers, stop_checker=stop_checker, seed=args.seed)
+        caches = self.memory.layers("target")
+        return LLMEngine(model, caches, scheduler, limits=limits, drafter=drafter, step_buffers=self.buffers,
+                         stop_checker=stop_checker, seed=args.seed, graphs=self._graphs(caches, layout))
+
+    def _graphs(self, caches, layout) -> TargetGraphs | None:
+        """CUDA graphs of the steady-state steps (verify K + 1 rows with taps, or a 1-row decode)."""
+        if self.device.type != "cuda" or self.args.enforce_eager:
+            return None
+        keys = ([GraphKey(self.num_speculative_tokens + 1, True), GraphKey(1, True)]
+                if self.drafter_config is not None else [GraphKey(1, False)])
+        sizes = capture_sizes(self.args.max_num_seqs, self.args.cuda_graph_sizes)
+        max_blocks = -(-self.max_model_len // layout.spec.tokens_per_block)
+        return TargetGraphs(self._model(), caches, sizes=sizes, keys=keys, max_blocks_per_seq=max_blocks,
+                            device=self.device).capture()
 
     def close(self) -> None:
         if self.memory is not None:

@@ -22,7 +22,8 @@ from drafter_service.control import DraftControl
 from drafter_service.step_buffers import StepBuffers
 from kernels import PAD_SLOT
 from kvpool_service.control import PoolLimits
-from target_service.forward_batch import SeqChunk, pack
+from target_service.cuda_graphs import GraphKey, TargetGraphs
+from target_service.forward_batch import ForwardBatch, SeqChunk, pack
 from target_service.outputs import SpecDecodeStats
 from target_service.sampling import accept_drafts, choose_tokens
 from target_service.sampling_params import SamplingParams
@@ -44,7 +45,7 @@ class _Rows:
 class LLMEngine:
     def __init__(self, target, target_caches, scheduler: Scheduler, *, limits: PoolLimits,
                  drafter: DraftControl | None = None, step_buffers: StepBuffers | None = None,
-                 stop_checker: StopChecker, seed: int | None = None):
+                 stop_checker: StopChecker, seed: int | None = None, graphs: TargetGraphs | None = None):
         self.target = target
         self.target_caches = target_caches
         self.scheduler = scheduler
@@ -52,6 +53,7 @@ class LLMEngine:
         self.tokens_per_block = limits.tokens_per_block
         self.drafter = drafter
         self.step_buffers = step_buffers
+        self.graphs = graphs
         self.stop_checker = stop_checker
         self.device = target.embed_weight.device
         self.generator = torch.Generator(self.device)
@@ -127,7 +129,7 @@ class LLMEngine:
             raise RuntimeError("the scheduler found no work although requests are waiting")
         drafts = self._propose(plan.decodes)
         chunks, rows = self._chunks(plan, drafts)
-        output = self.target(pack(chunks, self.tokens_per_block, self.device), self.target_caches)
+        output = self._forward(pack(chunks, self.tokens_per_block, self.device), plan, drafts)
         context_rows = [self._accept(work, drafts.get(work.seq.seq_id), output, rows[work.seq.seq_id])
                         for work in plan.decodes]
         context_rows += [self._finish_prefill(chunk, output, rows[chunk.seq.seq_id])
@@ -152,6 +154,17 @@ class LLMEngine:
         self.drafter.propose(len(seqs), num_draft, columns)
         tokens = self.step_buffers.draft_tokens[:len(seqs), :num_draft].tolist()
         return {work.seq.seq_id: row[: work.num_draft] for work, row in zip(drafting, tokens)}
+
+    def _forward(self, batch: ForwardBatch, plan: SchedulerOutput, drafts: dict[int, list[int]]):
+        """The target's forward, replayed from a CUDA graph when the step is uniform: decodes only,
+        every sequence verifying the same number of rows. Anything else runs eagerly."""
+        if self.graphs is not None and plan.decodes and not plan.prefills:
+            q_lens = {1 + len(drafts.get(work.seq.seq_id, ())) for work in plan.decodes}
+            if len(q_lens) == 1:
+                output = self.graphs.run(batch, GraphKey(q_lens.pop(), taps=self.drafter is not None))
+                if output is not None:
+                    return output
+        return self.target(batch, self.target_caches)
 
     def _chunks(self, plan: SchedulerOutput, drafts: dict[int, list[int]]):
         """The packed forward's chunks, and where each sequence's logits and tap rows land."""

@@ -32,6 +32,8 @@ class EngineArgs(BaseModel):
     tokens_per_block: int = 32
     enable_prefix_caching: bool = True
     seed: int | None = None
+    enforce_eager: bool = False  # no CUDA graphs (they are captured only on a GPU)
+    cuda_graph_sizes: list[int] | None = None  # batch sizes to capture (default: 1-8, then to 64)
 
     # Field validators, not one model validator: an error then carries the field's name (the CLI
     # prints it as the flag, --kv-cache-memory), where a model-level error carries none.

@@ -39,7 +39,8 @@ def build_engine(args: EngineArgs) -> InProcessEngine:
         drafter = DrafterAssembler(DrafterArgs(
             drafter=args.drafter, target=args.target, dtype=target.dtype, device=str(target.device),
             context_storage=args.context_storage, max_num_seqs=args.max_num_seqs,
-            max_model_len=target.max_model_len)).load()
+            max_model_len=target.max_model_len, enforce_eager=args.enforce_eager,
+            cuda_graph_sizes=args.cuda_graph_sizes)).load()
     target.load()  # both models' weights are in memory before a GPU budget is measured
     pool = build_pool(PoolArgs(
         spec=target.pool_spec(), budget_bytes=target.kv_budget(), context_storage=args.context_storage,

@@ -28,7 +28,8 @@ class LLM:
                  max_model_len: int | None = None, max_num_seqs: int = 256, kv_cache_memory=None,
                  gpu_memory_utilization: float = 0.9, tokens_per_block: int = 32,
                  enable_prefix_caching: bool = True, seed: int | None = None,
-                 max_num_batched_tokens: int = 2048):
+                 max_num_batched_tokens: int = 2048, enforce_eager: bool = False,
+                 cuda_graph_sizes: list[int] | None = None):
         target, drafter = resolve_pair(target, drafter)
         self.args = EngineArgs(
             target=target, drafter=drafter,
@@ -36,7 +37,8 @@ class LLM:
             device=device, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
             kv_cache_memory=kv_cache_memory, gpu_memory_utilization=gpu_memory_utilization,
             tokens_per_block=tokens_per_block, enable_prefix_caching=enable_prefix_caching, seed=seed,
-            max_num_batched_tokens=max_num_batched_tokens,
+            max_num_batched_tokens=max_num_batched_tokens, enforce_eager=enforce_eager,
+            cuda_graph_sizes=cuda_graph_sizes,
         )
         self.assembly = build_engine(self.args)
         self.engine, self.tokenizer = self.assembly.engine, self.assembly.tokenizer

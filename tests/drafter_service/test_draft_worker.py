@@ -43,5 +43,4 @@ def test_a_smaller_k_gets_the_first_k_drafts_of_the_full_block(tmp_path):
         buffers.draft_tokens.zero_()
         worker.propose(4, k, columns)
         assert torch.equal(buffers.draft_tokens[:4, :k], full[:, :k]), k
-        assert not buffers.draft_tokens[:4, k:].any()  # nothing past K is written
     pool.close()

@@ -25,6 +25,29 @@ def test_greedy_with_drafter_equals_target_only_on_cuda(tmp_path, storage):
     assert llm.engine.scheduler.pool.stats().num_used_blocks == 0
 
 
+@pytest.mark.parametrize("with_drafter", [True, False])
+def test_cuda_graph_steps_equal_eager_steps_and_target_only_greedy(tmp_path, with_drafter):
+    target, drafter = make_pair(tmp_path)
+    prompts = random_prompts(5, 160, low=5, high=90)  # 5 sequences: graphs of 8 with 3 dummies
+    settings = dict(device="cuda", dtype="float32", max_num_seqs=8, kv_cache_memory="64MiB",
+                    tokens_per_block=16, max_model_len=256, drafter=drafter if with_drafter else "none")
+    outputs = {}
+    for eager in (True, False):
+        llm = LLM(target, enforce_eager=eager, **settings)
+        outputs[eager] = [out.outputs[0].token_ids for out in llm.generate(prompts, GREEDY)]
+        graphs = llm.engine.graphs
+        assert (graphs is None) == eager
+        if not eager:
+            assert graphs.replays > 0  # the steady state ran from graphs
+            if with_drafter:
+                assert llm.engine.drafter.graphs.replays > 0
+        llm.close()
+    plain = LLM(target, device="cuda", dtype="float32", kv_cache_memory="64MiB", tokens_per_block=16,
+                enforce_eager=True)
+    expected = [out.outputs[0].token_ids for out in plain.generate(prompts, GREEDY)]
+    assert outputs[False] == outputs[True] == expected
+
+
 def test_pool_budget_from_gpu_memory_utilization(tmp_path):
     target, drafter = make_pair(tmp_path)
     _, total = torch.cuda.mem_get_info()

@@ -1,0 +1,83 @@
+"""What the CUDA graph runners do around the replay, checked eagerly on CPU (capture=False): a batch
+padded to a captured size gives the unpadded forward's logits, taps and drafts, and the dummy
+sequences write nothing. The replay itself is the GPU tests' (test_engine_gpu.py)."""
+
+import random
+
+import pytest
+import torch
+from tiny_checkpoints import write_drafter_checkpoint, write_target_checkpoint
+
+from drafter_service.cuda_graphs import ProposeGraphs
+from target_service.checkpoint import load_target
+from target_service.cuda_graphs import GraphKey, TargetGraphs
+from target_service.forward_batch import SeqChunk, pack
+
+TPB = 16
+
+
+def arena_and_caches(config, num_blocks=32):
+    shape = (num_blocks, config.num_hidden_layers, 2, TPB, config.num_key_value_heads, config.head_dim)
+    arena = torch.randn(shape)  # pages hold old K/V: the dummies must not overwrite any of it
+    return arena, [(arena[:, i, 0], arena[:, i, 1]) for i in range(config.num_hidden_layers)]
+
+
+@pytest.mark.parametrize(("q_len", "taps", "num_seqs"), [(4, True, 3), (1, False, 5), (4, True, 4)])
+def test_a_padded_target_batch_equals_the_unpadded_forward(tmp_path, q_len, taps, num_seqs):
+    directory = write_target_checkpoint(tmp_path / "t", seed=int(torch.randint(0, 2**31, ())))
+    model, _ = load_target(directory, tap_layer_ids=(1, 2) if taps else (), dtype="float32", progress=False)
+    blocks = list(range(32))
+    random.Random(0).shuffle(blocks)
+    chunks = []
+    for index in range(num_seqs):
+        start = random.Random(index).randrange(5, 60)  # tokens already in the cache
+        table = blocks[index * 5:(index + 1) * 5]
+        tokens = torch.randint(3, 150, (q_len,)).tolist()
+        chunks.append(SeqChunk(tokens, start, table, num_logits=q_len, num_taps=q_len if taps else 0))
+    batch = pack(chunks, TPB)
+    arena, caches = arena_and_caches(model.config)
+    expected_arena = arena.clone()
+    expected = model(batch, [(expected_arena[:, i, 0], expected_arena[:, i, 1])
+                             for i in range(model.config.num_hidden_layers)])
+    graphs = TargetGraphs(model, caches, sizes=[1, 2, 4, 8], keys=[GraphKey(q_len, taps)],
+                          max_blocks_per_seq=8, device=torch.device("cpu"), capture=False)
+    got = graphs.run(batch, GraphKey(q_len, taps))
+    assert graphs.padded_size(num_seqs) == (4 if num_seqs <= 4 else 8)
+    torch.testing.assert_close(got.logits, expected.logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got.taps, expected.taps, rtol=1e-5, atol=1e-5)
+    assert torch.equal(arena, expected_arena)  # the real rows wrote the same K/V; the dummies none
+    assert graphs.run(batch, GraphKey(q_len + 1, taps)) is None  # no graph of that shape: eager
+
+
+def test_a_padded_proposal_equals_the_unpadded_one(tmp_path):
+    from drafter_service.assembler import DrafterArgs, DrafterAssembler
+    from kvpool_service.assembler import PoolArgs, build_pool
+    from target_service.assembler import TargetAssembler
+    from target_service.engine_args import EngineArgs
+
+    target = write_target_checkpoint(tmp_path / "t", seed=3)
+    drafter = write_drafter_checkpoint(tmp_path / "d", target, block_size=8, seed=4)
+    args = EngineArgs(target=str(target), drafter=str(drafter), device="cpu", tokens_per_block=TPB,
+                      max_num_seqs=8, max_model_len=64, kv_cache_memory="1MiB")
+    sizer = TargetAssembler(args)
+    pool = build_pool(PoolArgs(spec=sizer.pool_spec(), budget_bytes=sizer.kv_budget(), max_num_seqs=8,
+                               max_model_len=64, share=False))
+    buffers = sizer.create_step_buffers(share=False)
+    worker = DrafterAssembler(DrafterArgs(drafter=str(drafter), target=str(target), dtype=sizer.dtype,
+                                          max_num_seqs=8, max_model_len=64)).load().build(pool.handle,
+                                                                                       buffers.export())
+    rows = [(seq, pos) for seq, n in enumerate([9, 20, 33]) for pos in range(n)]
+    tables = [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
+    slots = [tables[seq][pos // TPB] * TPB + pos % TPB for seq, pos in rows]
+    worker.store_context(buffers.stage_context(torch.randn(len(rows), buffers.layout.tap_width),
+                                               [p for _, p in rows], [s for s, _ in rows], slots))
+    columns = buffers.stage_propose([5, 6, 7], [9, 20, 33], [0, 1, 2], tables)
+    buffers.start_positions[3:].fill_(40)  # stale rows from an earlier, larger step
+    worker.draft_rows(3, columns)
+    expected = buffers.draft_tokens[:3].clone()
+    buffers.draft_tokens.zero_()
+    assert ProposeGraphs(worker, [1, 2, 4, 8], capture=False).run(3)
+    assert torch.equal(buffers.draft_tokens[:3], expected)
+    assert buffers.start_positions[3:4].tolist() == [0]  # the dummy row's context was emptied
+    assert not ProposeGraphs(worker, [1, 2], capture=False).run(3)
+    pool.close()
