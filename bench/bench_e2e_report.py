@@ -34,11 +34,12 @@ def markdown(result: dict) -> str:
         "- plain: an engine without a drafter; DFlash: the engine with the drafter. Each case is timed "
         "from CUDA graphs and eagerly, side by side on the same engine and sequences.",
         "",
-        "ms per step: median (p10-p90); tok/s: emitted tokens over the timed steps; launches: kernels of "
-        "one step (torch profiler).",
+        "ms per step: median (p10-p90); tok/s: emitted tokens over the timed steps; kernels: GPU kernels "
+        "one step runs (torch profiler; from graphs they are replayed by one launch per graph, not "
+        "launched one by one).",
         "",
         "| B | context | plain ms, graphs | plain ms, eager | plain tok/s graphs / eager | DFlash ms, graphs "
-        "| DFlash ms, eager | DFlash tok/s graphs / eager | acceptance | launches DFlash graphs / eager "
+        "| DFlash ms, eager | DFlash tok/s graphs / eager | acceptance | kernels DFlash graphs / eager "
         "| HF decode ms | HF verify K+1 ms |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
