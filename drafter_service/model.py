@@ -25,7 +25,9 @@ from foundation.checkpoint_config import ConfigError, DrafterConfig
 from foundation.layer_cache import LayerCache, as_layer_caches
 from foundation.weights import WeightSlot, empty_param
 from kernels import paged_context_attention, store_kv
-from kernels.layers import RotaryEmbedding, apply_rope, rms_norm, swiglu
+from kernels.fused_layers import norm_rope, rms_norm, silu_and_mul
+from kernels.layers import RotaryEmbedding, apply_rope
+from kernels.layers import rms_norm as rms_norm_reference
 
 
 class DraftOutput(NamedTuple):
@@ -59,15 +61,19 @@ class DraftLayer(nn.Module):
         h = rms_norm(x, self.input_layernorm, self.eps)
         q = F.linear(h, self.q_proj).view(batch_size, slots, self.num_heads, self.head_dim)
         k, v = F.linear(h, kv_proj).view(batch_size, slots, 2, self.num_kv_heads, self.head_dim).unbind(2)
-        q = apply_rope(rms_norm(q, self.q_norm, self.eps), cos, sin)
-        k = apply_rope(rms_norm(k, k_norm, self.eps), cos, sin)
+        rows = batch_size * slots  # per-head norm + RoPE, one fused kernel each on a GPU
+        cos_rows, sin_rows = cos.reshape(rows, -1), sin.reshape(rows, -1)
+        q = q.reshape(rows, self.num_heads, self.head_dim)
+        q = norm_rope(q, self.q_norm, cos_rows, sin_rows, self.eps)
+        k = norm_rope(k.reshape(rows, self.num_kv_heads, self.head_dim), k_norm, cos_rows, sin_rows, self.eps)
+        q, k = q.view(batch_size, slots, self.num_heads, -1), k.view(batch_size, slots, self.num_kv_heads, -1)
         attn = paged_context_attention(
             q, cache.k_cache, cache.v_cache, batch.block_table, batch.ctx_lens, k, v,
             scale=self.head_dim**-0.5, k_scale=cache.k_scale, v_scale=cache.v_scale,
         )
-        x = x + F.linear(attn.reshape(batch_size, slots, -1), self.o_proj)
-        mlp_in = rms_norm(x, self.post_attention_layernorm, self.eps)
-        return x + swiglu(mlp_in, self.gate_up_proj, self.down_proj)
+        attn_out = F.linear(attn.reshape(batch_size, slots, -1), self.o_proj)
+        mlp_in, x = rms_norm(attn_out, self.post_attention_layernorm, self.eps, residual=x)
+        return x + F.linear(silu_and_mul(F.linear(mlp_in, self.gate_up_proj)), self.down_proj)
 
 
 def drafter_weight_layout(config: DrafterConfig) -> dict[str, WeightSlot]:
@@ -159,7 +165,7 @@ class DFlashDrafter(nn.Module):
         heads, head_dim = config.num_key_value_heads, config.head_dim
         context = rms_norm(F.linear(taps.to(self.fc.dtype), self.fc), self.hidden_norm, config.rms_norm_eps)
         kv = F.linear(context, self.kv_proj).view(tokens, layers, 2, heads, head_dim)  # one GEMM, all layers
-        k = rms_norm(kv[:, :, 0], self.k_norm.view(layers, 1, head_dim), config.rms_norm_eps)
+        k = rms_norm_reference(kv[:, :, 0], self.k_norm.view(layers, 1, head_dim), config.rms_norm_eps)
         cos, sin = self.rotary.cos_sin(positions)
         k = apply_rope(k, cos.unsqueeze(1), sin.unsqueeze(1))  # [N, L, NKV, D], one position per token
         for layer, cache in enumerate(caches):

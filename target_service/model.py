@@ -23,7 +23,8 @@ from foundation.checkpoint_config import TargetConfig
 from foundation.layer_cache import LayerCache, as_layer_caches
 from foundation.weights import WeightSlot, empty_param, token_tables_layout
 from kernels import paged_attention, store_kv
-from kernels.layers import RotaryEmbedding, apply_rope, rms_norm, swiglu
+from kernels.fused_layers import norm_rope, rms_norm, silu_and_mul
+from kernels.layers import RotaryEmbedding
 from target_service.forward_batch import ForwardBatch
 
 QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM",)
@@ -62,7 +63,7 @@ class TargetLayer(nn.Module):
     def forward(self, h, cos, sin, batch: ForwardBatch, cache: LayerCache) -> torch.Tensor:
         """h [T, H] residual stream -> [T, H]; stores this step's K/V first (seq_lens count it)."""
         tokens = h.shape[0]
-        x = rms_norm(h, self.input_layernorm, self.eps)
+        x = rms_norm(h, self.input_layernorm, self.eps)  # one fused kernel on a GPU (kernels.fused_layers)
         q, k, v = F.linear(x, self.qkv_proj, self.qkv_bias).split(
             [self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
              self.num_kv_heads * self.head_dim], dim=-1,
@@ -70,18 +71,18 @@ class TargetLayer(nn.Module):
         q = q.reshape(tokens, self.num_heads, self.head_dim)
         k = k.reshape(tokens, self.num_kv_heads, self.head_dim)
         v = v.reshape(tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:  # Qwen3: per-head RMSNorm before RoPE
-            q, k = rms_norm(q, self.q_norm, self.eps), rms_norm(k, self.k_norm, self.eps)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        # Qwen3: per-head RMSNorm before RoPE (q_norm / k_norm); Llama: RoPE alone
+        q = norm_rope(q, self.q_norm, cos, sin, self.eps)
+        k = norm_rope(k, self.k_norm, cos, sin, self.eps)
         store_kv(k, v, cache.k_cache, cache.v_cache, batch.slot_mapping,
                  k_scale=cache.k_scale, v_scale=cache.v_scale)
         attn = paged_attention(
             q, cache.k_cache, cache.v_cache, batch.block_table, batch.seq_lens, batch.query_start_loc,
             scale=self.head_dim**-0.5, k_scale=cache.k_scale, v_scale=cache.v_scale,
         )
-        h = h + F.linear(attn.reshape(tokens, -1), self.o_proj, self.o_bias)
-        mlp_in = rms_norm(h, self.post_attention_layernorm, self.eps)
-        return h + swiglu(mlp_in, self.gate_up_proj, self.down_proj)
+        attn_out = F.linear(attn.reshape(tokens, -1), self.o_proj, self.o_bias)
+        mlp_in, h = rms_norm(attn_out, self.post_attention_layernorm, self.eps, residual=h)
+        return h + F.linear(silu_and_mul(F.linear(mlp_in, self.gate_up_proj)), self.down_proj)
 
 
 def target_weight_layout(config: TargetConfig) -> dict[str, WeightSlot]:
