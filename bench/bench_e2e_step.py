@@ -58,9 +58,9 @@ class SimulatedAcceptance:
         self.rate = torch.tensor(max(mean - 1.0, 0.0))
         self.generator = torch.Generator().manual_seed(seed)
 
-    def __call__(self, drafts: torch.Tensor, target_tokens: torch.Tensor):
-        accepted = min(int(torch.poisson(self.rate, generator=self.generator)), drafts.numel())
-        return accepted, target_tokens[: accepted + 1].tolist()
+    def __call__(self, drafts: list[int], target_tokens: list[int]):
+        accepted = min(int(torch.poisson(self.rate, generator=self.generator)), len(drafts))
+        return accepted, list(target_tokens[: accepted + 1])
 
     def __enter__(self):
         self.module.accept_drafts = self

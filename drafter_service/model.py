@@ -26,8 +26,7 @@ from foundation.layer_cache import LayerCache, as_layer_caches
 from foundation.weights import WeightSlot, empty_param
 from kernels import paged_context_attention, store_kv
 from kernels.fused_layers import norm_rope, rms_norm, silu_and_mul
-from kernels.layers import RotaryEmbedding, apply_rope
-from kernels.layers import rms_norm as rms_norm_reference
+from kernels.layers import RotaryEmbedding
 
 
 class DraftOutput(NamedTuple):
@@ -165,11 +164,11 @@ class DFlashDrafter(nn.Module):
         heads, head_dim = config.num_key_value_heads, config.head_dim
         context = rms_norm(F.linear(taps.to(self.fc.dtype), self.fc), self.hidden_norm, config.rms_norm_eps)
         kv = F.linear(context, self.kv_proj).view(tokens, layers, 2, heads, head_dim)  # one GEMM, all layers
-        k = rms_norm_reference(kv[:, :, 0], self.k_norm.view(layers, 1, head_dim), config.rms_norm_eps)
-        cos, sin = self.rotary.cos_sin(positions)
-        k = apply_rope(k, cos.unsqueeze(1), sin.unsqueeze(1))  # [N, L, NKV, D], one position per token
+        cos, sin = self.rotary.cos_sin(positions)  # one position per token
+        k_norm = self.k_norm.view(layers, head_dim)
         for layer, cache in enumerate(caches):
-            store_kv(k[:, layer], kv[:, layer, 1], cache.k_cache, cache.v_cache, slot_mapping,
+            k = norm_rope(kv[:, layer, 0], k_norm[layer], cos, sin, config.rms_norm_eps)  # [N, NKV, D]
+            store_kv(k, kv[:, layer, 1], cache.k_cache, cache.v_cache, slot_mapping,
                      k_scale=cache.k_scale, v_scale=cache.v_scale)
 
     @torch.inference_mode()

@@ -130,9 +130,10 @@ class LLMEngine:
         drafts = self._propose(plan.decodes)
         chunks, rows = self._chunks(plan, drafts)
         output = self._forward(pack(chunks, self.tokens_per_block, self.device), plan, drafts)
-        context_rows = [self._accept(work, drafts.get(work.seq.seq_id), output, rows[work.seq.seq_id])
+        greedy = self._greedy_tokens(output.logits, plan)
+        context_rows = [self._accept(work, drafts.get(work.seq.seq_id), output, rows[work.seq.seq_id], greedy)
                         for work in plan.decodes]
-        context_rows += [self._finish_prefill(chunk, output, rows[chunk.seq.seq_id])
+        context_rows += [self._finish_prefill(chunk, output, rows[chunk.seq.seq_id], greedy)
                          for chunk in plan.prefills]
         self._store_context(output.taps, context_rows)
         scheduled = _scheduled(plan)
@@ -187,12 +188,24 @@ class LLMEngine:
             tap_row += chunk.num_taps
         return chunks, rows
 
-    def _accept(self, work: DecodeWork, drafts: list[int] | None, output, rows: _Rows):
+    def _greedy_tokens(self, logits: torch.Tensor, plan: SchedulerOutput) -> list[int] | None:
+        """The argmax of every logits row, read from the device in one transfer (None when no greedy
+        request is in the step): per-sequence reads would each wait for the device."""
+        if logits.shape[0] == 0 or not any(seq.params.greedy for seq in _scheduled(plan)):
+            return None
+        return logits.argmax(dim=-1).tolist()
+
+    def _target_tokens(self, seq: Sequence, logits: torch.Tensor, rows: slice, greedy: list[int] | None):
+        """The target's token at each of the sequence's logits rows: argmax, or a sample."""
+        if seq.params.greedy:
+            return greedy[rows]
+        return choose_tokens(logits[rows], seq.params, self._generator(seq)).tolist()
+
+    def _accept(self, work: DecodeWork, drafts: list[int] | None, output, rows: _Rows, greedy):
         """Verify one sequence's drafts; emit tokens; return its (seq, positions, taps kept) rows."""
         seq, drafts = work.seq, drafts or []
-        target_tokens = choose_tokens(output.logits[rows.logits], seq.params, self._generator(seq))
-        accepted, emitted = accept_drafts(torch.tensor(drafts, dtype=torch.long, device=self.device),
-                                          target_tokens)
+        target_tokens = self._target_tokens(seq, output.logits, rows.logits, greedy)
+        accepted, emitted = accept_drafts(drafts, target_tokens)
         self.stats.record(len(drafts), accepted)
         seq.spec_decode.record(len(drafts), accepted)
         start = seq.num_computed
@@ -201,12 +214,11 @@ class LLMEngine:
         # context rows: the bonus and accepted drafts (positions start..start+accepted); rest skipped
         return seq, start, rows.taps, accepted + 1
 
-    def _finish_prefill(self, chunk: PrefillChunk, output, rows: _Rows):
+    def _finish_prefill(self, chunk: PrefillChunk, output, rows: _Rows, greedy):
         seq = chunk.seq
         seq.num_computed = chunk.start + chunk.num_tokens
         if chunk.is_last and not seq.output_token_ids:
-            token = choose_tokens(output.logits[rows.logits], seq.params, self._generator(seq))
-            self._emit(seq, token.tolist())
+            self._emit(seq, self._target_tokens(seq, output.logits, rows.logits, greedy))
         return seq, chunk.start, rows.taps, chunk.num_tokens
 
     def _store_context(self, taps: torch.Tensor, context_rows) -> None:

@@ -129,14 +129,22 @@ def pack(
         tap_rows.extend(range(len(ids) - chunk.num_taps, len(ids)))
         starts.append(len(ids))
         lens.append(end)
-    table = [list(chunk.block_table) + [0] * (max_blocks - len(chunk.block_table)) for chunk in chunks]
-
-    def tensor(values, dtype=torch.int64):
-        return torch.tensor(values, dtype=dtype, device=device)
-
+    table = []
+    for chunk in chunks:
+        table += chunk.block_table
+        table += [0] * (max_blocks - len(chunk.block_table))
+    # Two host-to-device copies (the int64 fields, the int32 ones), sliced into the fields on the device.
+    longs = _to_device([ids, positions, slots, logits_rows, tap_rows], torch.int64, device)
+    ints = _to_device([lens, starts, table], torch.int32, device)
+    num_seqs = len(chunks)
     return ForwardBatch(
-        input_ids=tensor(ids), positions=tensor(positions), slot_mapping=tensor(slots),
-        block_table=tensor(table, torch.int32), seq_lens=tensor(lens, torch.int32),
-        query_start_loc=tensor(starts, torch.int32), logits_indices=tensor(logits_rows),
-        tap_indices=tensor(tap_rows),
+        input_ids=longs[0], positions=longs[1], slot_mapping=longs[2], logits_indices=longs[3],
+        tap_indices=longs[4], seq_lens=ints[0], query_start_loc=ints[1],
+        block_table=ints[2].view(num_seqs, max_blocks),
     )
+
+
+def _to_device(fields: list[list[int]], dtype: torch.dtype, device) -> list[torch.Tensor]:
+    """Integer lists as one tensor moved in one copy, split back into per-field views."""
+    flat = torch.tensor([value for field in fields for value in field], dtype=dtype).to(device)
+    return list(flat.split([len(field) for field in fields]))

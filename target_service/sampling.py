@@ -1,4 +1,4 @@
-"""Token choice and the speculative accept rule, as plain functions over tensors.
+"""Token choice (over logits tensors) and the speculative accept rule (over plain ints).
 
 The accept rule: sample (or argmax) the TARGET's token at every verified position, then accept
 the longest prefix of drafts that equals those samples, plus the target's token at the first
@@ -9,6 +9,8 @@ Greedy (temperature 0) is the same rule with argmax, so it equals target-only gr
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
@@ -41,13 +43,15 @@ def choose_tokens(logits: torch.Tensor, params: SamplingParams,
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
-def accept_drafts(drafts: torch.Tensor, target_tokens: torch.Tensor) -> tuple[int, list[int]]:
-    """Accepted draft count and the emitted tokens of one request.
+def accept_drafts(drafts: Sequence[int], target_tokens: Sequence[int]) -> tuple[int, list[int]]:
+    """Accepted draft count and the emitted tokens of one request (plain ints: the engine reads every
+    sequence's target tokens from the device in one transfer, then decides on the host).
 
-    drafts: [K] proposed tokens d_1..d_K; target_tokens: [K+1] the target's choice after the bonus
-    and after each draft. Accept the longest prefix with d_i == target_tokens[i-1], then one target
+    drafts: K proposed tokens d_1..d_K; target_tokens: K+1, the target's choice after the bonus and
+    after each draft. Accept the longest prefix with d_i == target_tokens[i-1], then one target
     token: emitted = target_tokens[0..accepted].
     """
-    matches = (drafts == target_tokens[: drafts.numel()]).int()
-    accepted = int(matches.cumprod(dim=0).sum()) if matches.numel() else 0
-    return accepted, target_tokens[: accepted + 1].tolist()
+    accepted = 0
+    while accepted < len(drafts) and drafts[accepted] == target_tokens[accepted]:
+        accepted += 1
+    return accepted, list(target_tokens[: accepted + 1])

@@ -17,7 +17,7 @@ from target_service.sampling_params import SamplingParams
     ],
 )
 def test_accept_longest_matching_prefix_then_one_target_token(drafts, target, accepted, emitted):
-    got = accept_drafts(torch.tensor(drafts, dtype=torch.long), torch.tensor(target))
+    got = accept_drafts(drafts, target)
     assert got == (accepted, emitted)
 
 
@@ -27,7 +27,7 @@ def test_greedy_verify_of_hand_made_logits():
         logits[row, token] = 3.0
     target = choose_tokens(logits, SamplingParams(temperature=0))
     assert target.tolist() == [2, 7, 1, 9]
-    assert accept_drafts(torch.tensor([2, 7, 4]), target) == (2, [2, 7, 1])
+    assert accept_drafts([2, 7, 4], target.tolist()) == (2, [2, 7, 1])
 
 
 def test_top_k_and_top_p_keep_exactly_the_expected_tokens():
@@ -47,7 +47,7 @@ def test_one_hot_rule_emits_the_target_distribution_exactly():
         # emitted first token t0 is the target's sample; accepted iff t0 == draft
         distribution = torch.zeros(6, dtype=torch.float64)
         for t0 in range(6):
-            accepted, emitted = accept_drafts(torch.tensor([draft]), torch.tensor([t0, 0]))
+            accepted, emitted = accept_drafts([draft], [t0, 0])
             assert accepted == int(t0 == draft)
             distribution[emitted[0]] += p[t0]
         torch.testing.assert_close(distribution, p)
