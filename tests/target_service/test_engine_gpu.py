@@ -3,6 +3,7 @@
 import pytest
 import torch
 from engine_helpers import make_pair, random_prompts
+from near_ties import assert_equal_up_to_a_near_tie
 
 from target_service.llm import LLM
 from target_service.sampling_params import SamplingParams
@@ -20,7 +21,8 @@ def test_greedy_with_drafter_equals_target_only_on_cuda(tmp_path, storage):
     llm = LLM(target, drafter, device="cuda", dtype="float32", context_storage=storage, max_num_seqs=8,
               kv_cache_memory="64MiB", tokens_per_block=16, num_speculative_tokens=7, max_model_len=256)
     got = [out.outputs[0].token_ids for out in llm.generate(prompts, GREEDY)]
-    assert got == expected
+    for prompt, ours, reference in zip(prompts, got, expected):  # equal, or parted at a near-tie
+        assert_equal_up_to_a_near_tie(target, prompt, ours, reference)
     assert llm.stats.num_drafts > 0
     assert llm.engine.scheduler.pool.stats().num_used_blocks == 0
 
@@ -45,7 +47,9 @@ def test_cuda_graph_steps_equal_eager_steps_and_target_only_greedy(tmp_path, wit
     plain = LLM(target, device="cuda", dtype="float32", kv_cache_memory="64MiB", tokens_per_block=16,
                 enforce_eager=True)
     expected = [out.outputs[0].token_ids for out in plain.generate(prompts, GREEDY)]
-    assert outputs[False] == outputs[True] == expected
+    assert outputs[False] == outputs[True]  # at these lengths both plan the same attention splits
+    for prompt, ours, reference in zip(prompts, outputs[False], expected):
+        assert_equal_up_to_a_near_tie(target, prompt, ours, reference)
 
 
 def test_pool_budget_from_gpu_memory_utilization(tmp_path):
