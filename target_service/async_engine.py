@@ -1,0 +1,216 @@
+"""AsyncEngine: the engine's step loop in one thread, requests submitted and streamed from asyncio.
+
+`LLMEngine` is synchronous and single-threaded by design; a server's event loop must never wait on a
+step. So one thread owns the engine: between steps it takes new requests and cancellations from a
+queue, runs steps while there is work, and hands each request its new tokens and text through that
+request's asyncio queue (`loop.call_soon_threadsafe`). Nothing else touches the engine.
+
+Admission control: at most `max_waiting` requests wait for a slot; past that `generate` raises
+`QueueFull` at once (the HTTP layer answers 429 with Retry-After), and nothing is enqueued. A request
+whose consumer goes away (client disconnect: the async generator is closed or cancelled) is aborted,
+which frees its pages before the next step.
+
+Streamed text is the finished text's prefix: while a request runs, the last characters that could
+still turn out to begin a stop string, and an unfinished UTF-8 sequence, are held back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from target_service.outputs import SpecDecodeStats
+from target_service.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+IDLE_WAIT_S = 0.05  # how long the idle loop blocks on its command queue
+
+
+class QueueFull(RuntimeError):
+    """Too many requests are waiting; retry after `retry_after_s`."""
+
+    def __init__(self, waiting: int, retry_after_s: int = 1):
+        super().__init__(f"{waiting} requests are already waiting for the engine; retry later")
+        self.retry_after_s = retry_after_s
+
+
+class EngineDead(RuntimeError):
+    """The engine thread stopped on an error; requests cannot be served."""
+
+
+@dataclass
+class RequestDelta:
+    """What one request gained in one step (the last one has `finished` set and the totals)."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finished: bool = False
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    spec_decode: SpecDecodeStats | None = None
+
+
+@dataclass
+class _Tracked:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    seq: object = None
+    sent_tokens: int = 0
+    sent_text: str = ""
+    params: SamplingParams | None = field(default=None)
+
+
+class AsyncEngine:
+    def __init__(self, engine, *, max_waiting: int = 256):
+        """engine: an `LLMEngine` this object takes over (no one else may call it afterwards)."""
+        self.engine = engine
+        self.max_waiting = max_waiting
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._tracked: dict[str, _Tracked] = {}
+        self._pending_adds = 0
+        self._lock = threading.Lock()
+        self._ids = itertools.count()
+        self._stopping = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="dflash-engine", daemon=True)
+        self._thread.start()
+
+    # ---- the asyncio side -------------------------------------------------------------------------
+
+    @property
+    def is_healthy(self) -> bool:
+        return self._error is None and self._thread.is_alive()
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.engine.scheduler.waiting) + self._pending_adds
+
+    @property
+    def num_running(self) -> int:
+        return len(self.engine.scheduler.running)
+
+    def check(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Refuse (ValueError) a request that could never run, before anything is queued."""
+        self.engine.check_prompt(prompt_token_ids, params)
+
+    async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
+                       request_id: str | None = None) -> AsyncIterator[RequestDelta]:
+        """Stream one request's deltas; closing the iterator early aborts the request."""
+        if self._stopping.is_set():
+            raise EngineDead("the engine is shutting down; it takes no new requests")
+        if not self.is_healthy:
+            raise EngineDead(f"the engine stopped: {self._error!r}")
+        self.check(prompt_token_ids, params)
+        request_id = request_id or f"req-{next(self._ids)}"
+        with self._lock:
+            if self.num_waiting >= self.max_waiting:
+                raise QueueFull(self.num_waiting)
+            self._pending_adds += 1
+        tracked = _Tracked(asyncio.get_running_loop(), asyncio.Queue(), params=params)
+        self._commands.put(("add", request_id, list(prompt_token_ids), params, tracked))
+        finished = False
+        try:
+            while True:
+                delta = await tracked.queue.get()
+                if isinstance(delta, BaseException):
+                    raise delta
+                finished = delta.finished
+                yield delta
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self._commands.put(("abort", request_id))
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(("abort", request_id))
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop taking work; in-flight requests finish first (drain), then the thread ends."""
+        self._stopping.set()
+        self._thread.join(timeout)
+
+    # ---- the engine thread ------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while True:
+                self._take_commands(block=not self.engine.has_unfinished)
+                if self.engine.has_unfinished:
+                    self.engine.step()
+                    self._publish()
+                elif self._stopping.is_set() and self._commands.empty():
+                    return
+        except BaseException as error:  # report to every waiting request instead of hanging them
+            logger.exception("engine thread stopped")
+            self._error = error
+            for tracked in self._tracked.values():
+                tracked.loop.call_soon_threadsafe(tracked.queue.put_nowait, EngineDead(repr(error)))
+
+    def _take_commands(self, *, block: bool) -> None:
+        try:
+            command = self._commands.get(timeout=IDLE_WAIT_S) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._apply(command)
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _apply(self, command) -> None:
+        if command[0] == "add":
+            _, request_id, prompt, params, tracked = command
+            with self._lock:
+                self._pending_adds -= 1
+            try:
+                tracked.seq = self.engine.add_request(request_id, prompt, params)
+            except ValueError as error:
+                tracked.loop.call_soon_threadsafe(tracked.queue.put_nowait, error)
+                return
+            self._tracked[request_id] = tracked
+        elif command[0] == "abort":
+            request_id = command[1]
+            if self._tracked.pop(request_id, None) is not None and request_id in self.engine.sequences:
+                self.engine.abort(request_id)
+
+    def _publish(self) -> None:
+        """Post every tracked request's new tokens and text; finished ones leave the engine."""
+        stop_checker = self.engine.stop_checker
+        for request_id in list(self._tracked):
+            tracked = self._tracked[request_id]
+            seq = tracked.seq
+            new_tokens = seq.output_token_ids[tracked.sent_tokens:]
+            if not new_tokens and not seq.finish_reason:
+                continue
+            text = stop_checker.output_text(seq)
+            if not seq.finish_reason:
+                text = text[: len(text) - _held_back(text, tracked.params)]
+            new_text = text[len(tracked.sent_text):] if text.startswith(tracked.sent_text) else ""
+            tracked.sent_tokens += len(new_tokens)
+            tracked.sent_text += new_text
+            delta = RequestDelta(request_id, list(new_tokens), new_text,
+                                 finished=seq.finish_reason is not None, finish_reason=seq.finish_reason,
+                                 num_prompt_tokens=len(seq.prompt_token_ids),
+                                 num_output_tokens=len(seq.output_token_ids))
+            if delta.finished:
+                delta.spec_decode = seq.spec_decode.copy()
+                del self._tracked[request_id]
+                self.engine.sequences.pop(request_id, None)
+            tracked.loop.call_soon_threadsafe(tracked.queue.put_nowait, delta)
+
+
+def _held_back(text: str, params: SamplingParams) -> int:
+    """Characters at the end of a running request's text that may still change or be cut."""
+    hold = max((len(stop) - 1 for stop in params.stop), default=0)
+    trailing = len(text) - len(text.rstrip("\ufffd"))  # an unfinished multi-byte character
+    return min(len(text), max(hold, trailing))
