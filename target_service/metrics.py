@@ -34,7 +34,8 @@ class _EngineCollector:
         for name, doc, value in (
             ("dflash:spec_decode_num_drafts", "Speculative steps that drafted", stats.num_drafts),
             ("dflash:spec_decode_num_draft_tokens", "Draft tokens proposed", stats.num_draft_tokens),
-            ("dflash:spec_decode_num_accepted_tokens", "Draft tokens accepted", stats.num_accepted_tokens),
+            ("dflash:spec_decode_num_accepted_tokens", "Draft tokens accepted",
+             stats.num_accepted_tokens),
         ):
             family = self._family(CounterMetricFamily, name, doc)
             family.add_metric(values, value)
