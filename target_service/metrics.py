@@ -41,7 +41,8 @@ class _EngineCollector:
             family.add_metric(values, value)
             yield family
         per_position = self._family(CounterMetricFamily, "dflash:spec_decode_num_accepted_tokens_per_pos",
-                                    "Drafts whose first k+1 tokens were accepted, by position k", ("position",))
+                                    "Drafts whose first k+1 tokens were accepted, by position k",
+                                    ("position",))
         for position, count in enumerate(list(stats.accepted_per_position)):
             per_position.add_metric([*values, str(position)], count)
         yield per_position
