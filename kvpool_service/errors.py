@@ -55,12 +55,17 @@ class StaleEpoch(PoolError):
 RESOURCE_KEY, NEEDED_KEY, AVAILABLE_KEY = "dflash-resource", "dflash-needed", "dflash-available"
 
 # gRPC status code names (grpc.StatusCode.<name>) of each error; server and client share this table.
+class ReadOnly(PoolError):
+    """A call that would change the pool, on a server that only reports (an engine owns the pool)."""
+
+
 STATUS_NAMES: dict[type[PoolError], str] = {
     PoolExhausted: "RESOURCE_EXHAUSTED",
     UnknownSequence: "NOT_FOUND",
     InvalidRequest: "INVALID_ARGUMENT",
     LimitExceeded: "OUT_OF_RANGE",
     StaleEpoch: "FAILED_PRECONDITION",
+    ReadOnly: "PERMISSION_DENIED",
 }
 
 

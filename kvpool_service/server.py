@@ -36,6 +36,7 @@ from kvpool_service.errors import (
     InvalidRequest,
     PoolError,
     PoolExhausted,
+    ReadOnly,
 )
 from kvpool_service.proto import kvpool_pb2 as pb
 from kvpool_service.proto import kvpool_pb2_grpc
@@ -68,12 +69,15 @@ def format_address(host: str, port: int) -> str:
 class KVPoolServicer(kvpool_pb2_grpc.KVPoolServicer):
     """proto -> one BlockManager call -> proto. Typed errors pass through to `_StatusMapper`."""
 
-    def __init__(self, blocks: BlockManager, layout: PoolLayout):
+    def __init__(self, blocks: BlockManager, layout: PoolLayout, *, read_only: bool = False):
         self.blocks = blocks
         self.layout = layout
+        self.read_only = read_only
         self.started_at = time.monotonic()
 
     def _check_epoch(self, epoch: int) -> None:
+        if self.read_only:
+            raise ReadOnly("this pool's control plane is read-only (admin): its engine owns the block tables")
         if epoch == 0:
             raise InvalidRequest("epoch is required on calls that change the pool; read it from GetLayout")
         self.blocks.check_epoch(epoch)
@@ -246,7 +250,9 @@ class KVPoolServer:
 
     @classmethod
     async def start(cls, blocks: BlockManager, layout: PoolLayout, *, host: str = "127.0.0.1",
-                    port: int = 0, token: str | None = None) -> KVPoolServer:
+                    port: int = 0, token: str | None = None, read_only: bool = False) -> KVPoolServer:
+        """read_only: serve GetLayout, PoolStats, health and reflection, and refuse every call that
+        changes the pool (the admin port of a serving replica, whose engine owns the BlockManager)."""
         if blocks.epoch != layout.epoch:
             raise ValueError(f"the BlockManager's epoch {blocks.epoch} is not the layout's {layout.epoch}")
         # Room for the largest valid Open: every slot with a max_model_len prompt (5 bytes a token).
@@ -257,7 +263,7 @@ class KVPoolServer:
         server = grpc.aio.server(interceptors=interceptors, options=[
             ("grpc.max_receive_message_length", max_message), ("grpc.max_send_message_length", max_message),
             ("grpc.so_reuseport", 0)])
-        servicer = KVPoolServicer(blocks, layout)
+        servicer = KVPoolServicer(blocks, layout, read_only=read_only)
         kvpool_pb2_grpc.add_KVPoolServicer_to_server(servicer, server)
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -290,9 +296,9 @@ class BackgroundServer:
     "remote" pool). While it runs, only its thread touches the BlockManager."""
 
     def __init__(self, blocks: BlockManager, layout: PoolLayout, *, host: str = "127.0.0.1", port: int = 0,
-                 token: str | None = None):
+                 token: str | None = None, read_only: bool = False):
         self._args = (blocks, layout)
-        self._kwargs = {"host": host, "port": port, "token": token}
+        self._kwargs = {"host": host, "port": port, "token": token, "read_only": read_only}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self.server: KVPoolServer | None = None

@@ -202,3 +202,20 @@ def test_server_refuses_a_block_manager_of_another_epoch():
     blocks = BlockManager(24, TPB, max_num_seqs=2, max_model_len=64, epoch=layout.epoch + 1)
     with pytest.raises(ValueError, match="is not the layout's"):
         BackgroundServer(blocks, layout).start()
+
+
+def test_a_read_only_server_reports_but_refuses_every_change():
+    from kvpool_service.client import KVPoolClient
+    from kvpool_service.control import OpenRequest
+    from kvpool_service.errors import ReadOnly
+
+    layout = make_layout()
+    blocks = BlockManager.from_layout(layout, max_num_seqs=4, max_model_len=128, watermark=0.0)
+    blocks.open([OpenRequest(1, list(range(40)))])  # the engine's own sequence
+    with BackgroundServer(blocks, layout, read_only=True) as server, KVPoolClient(server.address) as client:
+        assert client.stats().num_seqs == 1 and client.limits() == blocks.limits()
+        with pytest.raises(ReadOnly, match="read-only"):
+            client.open([OpenRequest(2, [1, 2, 3])])
+        with pytest.raises(ReadOnly, match="read-only"):
+            client.close([1])
+    assert len(blocks) == 1  # nothing changed

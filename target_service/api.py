@@ -1,0 +1,117 @@
+"""The HTTP routes of the OpenAI-compatible API: parse, authenticate, call `OpenAIServer`, send.
+
+`create_app(slot)` builds the FastAPI app; the `ServerSlot` holds the process's `OpenAIServer` once
+it is built (a Ray Serve replica installs it in its constructor; tests install their own). Every
+error is OpenAI-shaped (`{"error": {...}}`) with its status and, for 429/503, Retry-After.
+`/health` and `/metrics` need no API key (probes and scrapers carry none).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from target_service.openai_protocol import ApiError, ChatCompletionRequest, CompletionRequest
+from target_service.openai_server import OpenAIServer
+
+DISCONNECT_POLL_S = 0.1
+
+
+class ServerSlot:
+    """Where the routes find this process's server; empty until it is installed."""
+
+    def __init__(self):
+        self._server: OpenAIServer | None = None
+
+    def install(self, server: OpenAIServer) -> None:
+        self._server = server
+
+    @property
+    def server(self) -> OpenAIServer:
+        if self._server is None:
+            raise ApiError.unavailable(1, "the model is still loading")
+        return self._server
+
+
+def create_app(slot: ServerSlot) -> FastAPI:
+    app = FastAPI(title="dflash-serve", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, error: ApiError) -> JSONResponse:
+        return JSONResponse(error.to_response().model_dump(), status_code=error.status, headers=error.headers)
+
+    @app.get("/health")
+    async def health() -> Response:
+        healthy = slot._server is not None and slot.server.is_healthy
+        status = 200 if healthy else 503
+        return JSONResponse({"status": "ok" if healthy else "unavailable"}, status_code=status)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        server = slot.server
+        body = server.metrics.render() if server.metrics is not None else b""
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> JSONResponse:
+        server = _authorized(slot, request)
+        return JSONResponse(server.models().model_dump())
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        server = _authorized(slot, request)
+        body = CompletionRequest.from_body(await _json(request))
+        if body.stream:
+            return _sse(server.completion_stream(body))
+        return JSONResponse((await _until_disconnected(request, server.completion(body))).model_dump())
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        server = _authorized(slot, request)
+        body = ChatCompletionRequest.from_body(await _json(request))
+        if body.stream:
+            return _sse(server.chat_stream(body))
+        return JSONResponse((await _until_disconnected(request, server.chat(body))).model_dump())
+
+    return app
+
+
+def _authorized(slot: ServerSlot, request: Request) -> OpenAIServer:
+    server = slot.server
+    if server.api_key is not None:
+        given = request.headers.get("authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {server.api_key}".encode()):
+            raise ApiError.unauthorized()
+    return server
+
+
+async def _json(request: Request):
+    try:
+        return json.loads(await request.body())
+    except ValueError:
+        raise ApiError.bad_request("the request body is not valid JSON") from None
+
+
+def _sse(events) -> StreamingResponse:
+    return StreamingResponse(events, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+async def _until_disconnected(request: Request, work):
+    """Run `work`; if the client goes away first, cancel it (which aborts its engine requests)."""
+    task = asyncio.ensure_future(work)
+    try:
+        while not task.done():
+            await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if not task.done() and await request.is_disconnected():
+                task.cancel()
+                raise ApiError(499, "the client closed the request", "client_closed_request")
+        return task.result()
+    finally:
+        if not task.done():
+            task.cancel()

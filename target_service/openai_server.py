@@ -1,0 +1,313 @@
+"""OpenAIServer: the OpenAI-compatible API's domain object, between the protocol and the engine.
+
+It turns a validated request into engine requests (prompts tokenized, chats rendered with the
+checkpoint's template, one `SamplingParams` per choice), runs them on the `AsyncEngine`, and turns
+their deltas into responses or stream chunks. It knows nothing of HTTP: the routes (`api.py`) parse,
+authenticate and call it; errors are `ApiError`s the routes send as they are.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from target_service.async_engine import AsyncEngine, EngineDead, QueueFull
+from target_service.chat_template import load_chat_template
+from target_service.openai_protocol import (
+    SSE_DONE,
+    ApiError,
+    AssistantMessage,
+    ChatCompletionChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionStreamChoice,
+    ChatCompletionStreamChunk,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionStreamChunk,
+    DeltaMessage,
+    ModelCard,
+    ModelList,
+    UsageInfo,
+    random_id,
+    sse_event,
+)
+
+RETRY_AFTER_S = 1
+
+
+@dataclass
+class _Job:
+    """One choice: which engine request, for which prompt, with which params."""
+
+    index: int
+    prompt_token_ids: list[int]
+    params: object
+
+
+class OpenAIServer:
+    def __init__(
+        self,
+        async_engine: AsyncEngine,
+        tokenizer,
+        *,
+        model_name: str,
+        max_model_len: int,
+        target_dir: str | Path,
+        metrics=None,
+        api_key: str | None = None,
+    ):
+        self.engine = async_engine
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.max_model_len = max_model_len
+        self.target_dir = Path(target_dir)
+        self.metrics = metrics
+        self.api_key = api_key
+        self.draining = False
+
+    # ---- reading ----------------------------------------------------------------------------------
+
+    def models(self) -> ModelList:
+        return ModelList(data=[ModelCard(id=self.model_name, max_model_len=self.max_model_len)])
+
+    @property
+    def is_healthy(self) -> bool:
+        return self.engine.is_healthy and not self.draining
+
+    # ---- requests ---------------------------------------------------------------------------------
+
+    def completion_jobs(self, request: CompletionRequest) -> list[_Job]:
+        self._check_model(request.model)
+        jobs = []
+        for number, prompt in enumerate(request.prompts()):
+            ids = self._encode(prompt, "prompt")
+            for j, params in enumerate(request.to_sampling_params(len(ids), self.max_model_len)):
+                jobs.append(_Job(number * (request.n or 1) + j, ids, params))
+        return jobs
+
+    def chat_jobs(self, request: ChatCompletionRequest) -> list[_Job]:
+        self._check_model(request.model)
+        try:
+            text = load_chat_template(self.target_dir).render(request.messages, request.add_generation_prompt)
+        except ValueError as error:
+            raise ApiError.bad_request(str(error), "messages") from None
+        ids = self._encode(text, "messages", add_special_tokens=False)
+        return [
+            _Job(j, ids, params)
+            for j, params in enumerate(request.to_sampling_params(len(ids), self.max_model_len))
+        ]
+
+    async def completion(self, request: CompletionRequest) -> CompletionResponse:
+        jobs = self._preflight(self.completion_jobs(request))
+        results = await self._run_all(jobs)
+        choices = [
+            CompletionChoice(index=job.index, text=text, finish_reason=reason)
+            for job, (text, reason, _) in zip(jobs, results)
+        ]
+        return CompletionResponse(
+            model=self.model_name,
+            choices=sorted(choices, key=lambda c: c.index),
+            usage=self._usage(jobs, results),
+        )
+
+    async def chat(self, request: ChatCompletionRequest) -> ChatCompletionResponse:
+        jobs = self._preflight(self.chat_jobs(request))
+        results = await self._run_all(jobs)
+        choices = [
+            ChatCompletionChoice(
+                index=job.index, message=AssistantMessage(content=text), finish_reason=reason
+            )
+            for job, (text, reason, _) in zip(jobs, results)
+        ]
+        return ChatCompletionResponse(
+            model=self.model_name, choices=choices, usage=self._usage(jobs, results)
+        )
+
+    def completion_stream(self, request: CompletionRequest) -> AsyncIterator[str]:
+        """SSE events of a streamed completion. Everything that can refuse the request runs here,
+        before the first event, so a refusal is an HTTP error status, not an event mid-stream."""
+        jobs = self._preflight(self.completion_jobs(request))
+        return self._completion_events(jobs, request.include_usage)
+
+    def chat_stream(self, request: ChatCompletionRequest) -> AsyncIterator[str]:
+        jobs = self._preflight(self.chat_jobs(request))
+        return self._chat_events(jobs, request.include_usage)
+
+    async def _completion_events(self, jobs: list[_Job], include_usage: bool) -> AsyncIterator[str]:
+        stream_id, created = random_id("cmpl"), int(time.time())
+
+        def chunk(index, text, reason):
+            return CompletionStreamChunk(
+                id=stream_id,
+                created=created,
+                model=self.model_name,
+                choices=[CompletionChoice(index=index, text=text, finish_reason=reason)],
+            )
+
+        async for event in self._stream(jobs, chunk, include_usage, stream_id, created, chat=False):
+            yield event
+
+    async def _chat_events(self, jobs: list[_Job], include_usage: bool) -> AsyncIterator[str]:
+        stream_id, created = random_id("chatcmpl"), int(time.time())
+        for job in jobs:  # the role comes first, once per choice
+            yield sse_event(
+                ChatCompletionStreamChunk(
+                    id=stream_id,
+                    created=created,
+                    model=self.model_name,
+                    choices=[
+                        ChatCompletionStreamChoice(index=job.index, delta=DeltaMessage(role="assistant"))
+                    ],
+                )
+            )
+
+        def chunk(index, text, reason):
+            delta = DeltaMessage(content=text) if text else DeltaMessage()
+            return ChatCompletionStreamChunk(
+                id=stream_id,
+                created=created,
+                model=self.model_name,
+                choices=[ChatCompletionStreamChoice(index=index, delta=delta, finish_reason=reason)],
+            )
+
+        async for event in self._stream(jobs, chunk, include_usage, stream_id, created, chat=True):
+            yield event
+
+    # ---- running ----------------------------------------------------------------------------------
+
+    def _check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model_name:
+            raise ApiError.model_not_found(name, self.model_name)
+
+    def _encode(self, prompt, field: str, *, add_special_tokens: bool = True) -> list[int]:
+        if isinstance(prompt, list):
+            return list(prompt)
+        if self.tokenizer is None:
+            raise ApiError.bad_request(f"{field}: this model has no tokenizer; send token ids", field)
+        return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens).ids
+
+    def _preflight(self, jobs: list[_Job]) -> list[_Job]:
+        """Refuse now what would fail later: shutting down, a full queue, a prompt the pool cannot hold."""
+        if self.draining:
+            raise ApiError.unavailable(RETRY_AFTER_S, "the server is shutting down")
+        if self.engine.num_waiting + len(jobs) > self.engine.max_waiting:
+            raise ApiError.overloaded(
+                RETRY_AFTER_S, f"{self.engine.num_waiting} requests are already waiting; retry later"
+            )
+        for job in jobs:
+            try:
+                self.engine.check(job.prompt_token_ids, job.params)
+            except ValueError as error:
+                raise ApiError.bad_request(str(error), "prompt") from None
+        return jobs
+
+    def _submit(self, job: _Job) -> AsyncIterator:
+        if self.draining:
+            raise ApiError.unavailable(RETRY_AFTER_S, "the server is shutting down")
+        try:
+            return self.engine.generate(job.prompt_token_ids, job.params)
+        except Exception as error:  # generate() checks nothing until it is iterated
+            raise _as_api_error(error) from None
+
+    async def _run_one(self, job: _Job) -> tuple[str, str | None, int]:
+        """(text, finish reason, output tokens) of one choice; observes its latency."""
+        started, first, text, last = time.perf_counter(), None, [], None
+        try:
+            async for delta in self._submit(job):
+                if first is None and delta.token_ids:
+                    first = time.perf_counter()
+                text.append(delta.text)
+                last = delta
+        except (QueueFull, EngineDead, ValueError) as error:
+            raise _as_api_error(error) from None
+        self._observe(started, first, last)
+        return "".join(text), last.finish_reason, last.num_output_tokens
+
+    async def _run_all(self, jobs: list[_Job]) -> list[tuple[str, str | None, int]]:
+        """Every choice concurrently; if one fails (or the client leaves), the others are cancelled."""
+        tasks = [asyncio.ensure_future(self._run_one(job)) for job in jobs]
+        try:
+            return list(await asyncio.gather(*tasks))
+        finally:
+            for task in tasks:
+                task.cancel()
+
+    async def _stream(self, jobs, chunk, include_usage: bool, stream_id: str, created: int, *, chat: bool):
+        """Every choice's deltas as SSE events, interleaved as they come; usage last when asked."""
+        events: asyncio.Queue = asyncio.Queue()
+        totals = {}
+
+        async def pump(job: _Job):
+            started, first, last = time.perf_counter(), None, None
+            try:
+                async for delta in self._submit(job):
+                    if first is None and delta.token_ids:
+                        first = time.perf_counter()
+                    last = delta
+                    if delta.text or delta.finished:
+                        events.put_nowait(sse_event(chunk(job.index, delta.text, delta.finish_reason)))
+                self._observe(started, first, last)
+                totals[job.index] = last.num_output_tokens
+            except (QueueFull, EngineDead, ValueError) as error:
+                events.put_nowait(sse_event(_as_api_error(error).to_response()))
+            finally:
+                events.put_nowait(None)
+
+        tasks = [asyncio.ensure_future(pump(job)) for job in jobs]
+        try:
+            done = 0
+            while done < len(tasks):
+                event = await events.get()
+                if event is None:
+                    done += 1
+                else:
+                    yield event
+            if include_usage:
+                usage = UsageInfo(prompt_tokens=_prompt_tokens(jobs), completion_tokens=sum(totals.values()))
+                kind = ChatCompletionStreamChunk if chat else CompletionStreamChunk
+                yield sse_event(
+                    kind(id=stream_id, created=created, model=self.model_name, choices=[], usage=usage)
+                )
+            yield SSE_DONE
+        finally:  # the client left (or the stream ended): stop what still runs, which aborts it
+            for task in tasks:
+                task.cancel()
+
+    def _observe(self, started: float, first: float | None, last) -> None:
+        if self.metrics is not None and last is not None:
+            now = time.perf_counter()
+            self.metrics.observe(
+                first_token_s=(first or now) - started,
+                total_s=now - started,
+                num_output_tokens=last.num_output_tokens,
+                finish_reason=last.finish_reason,
+            )
+
+    def _usage(self, jobs: list[_Job], results) -> UsageInfo:
+        return UsageInfo(prompt_tokens=_prompt_tokens(jobs), completion_tokens=sum(r[2] for r in results))
+
+
+def _prompt_tokens(jobs: list[_Job]) -> int:
+    """Prompt tokens counted once per prompt (n choices of one prompt share it, as OpenAI counts)."""
+    seen, total = set(), 0
+    for job in jobs:
+        key = id(job.prompt_token_ids)
+        if key not in seen:
+            seen.add(key)
+            total += len(job.prompt_token_ids)
+    return total
+
+
+def _as_api_error(error: Exception) -> ApiError:
+    if isinstance(error, ApiError):
+        return error
+    if isinstance(error, QueueFull):
+        return ApiError.overloaded(error.retry_after_s, str(error))
+    if isinstance(error, EngineDead):
+        return ApiError.unavailable(RETRY_AFTER_S, str(error))
+    return ApiError.bad_request(str(error), "prompt")

@@ -1,0 +1,72 @@
+"""ServeArgs: every `dflash serve` setting, validated once; the field names are the flags'."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from foundation.byte_size import parse_byte_size
+from foundation.device_name import check_device_name
+from target_service.demo import resolve_pair
+from target_service.engine_args import EngineArgs
+
+
+class ServeArgs(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    target: str | None = None  # None: the built-in demo pair
+    drafter: str | None = None  # "none": plain decoding
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    admin_port: int | None = Field(50051, ge=0, le=65535)  # replica i answers on admin_port + i; None: off
+    replicas: int = Field(1, ge=1)
+    address: str | None = None  # a Ray cluster to join; None: start a local Ray on loopback
+    num_speculative_tokens: int | None = Field(None, ge=1)
+    context_storage: Literal["paged", "dense"] = "paged"
+    dtype: Literal["bfloat16", "float16", "float32"] | None = None
+    device: str | None = None
+    max_num_seqs: int = Field(64, ge=1)
+    max_model_len: int | None = Field(None, ge=2)
+    kv_cache_memory: str | None = None
+    max_waiting: int = Field(256, ge=0)  # requests queued past this get 429
+    api_key_file: str | None = None
+    admin_token_file: str | None = None
+    served_model_name: str | None = None
+    enforce_eager: bool = False
+    num_cpus_per_replica: float = Field(1.0, gt=0)  # Ray resources of one replica (CPU machines)
+    num_gpus_per_replica: float = Field(0.0, ge=0)
+
+    @field_validator("kv_cache_memory")
+    @classmethod
+    def _memory(cls, value):
+        if value is not None:
+            parse_byte_size(value)
+        return value
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, value):
+        return None if value is None else check_device_name(value)
+
+    @field_validator("api_key_file", "admin_token_file")
+    @classmethod
+    def _readable(cls, value):
+        if value is not None and not Path(value).is_file():
+            raise ValueError(f"{value} is not a readable file")
+        return value
+
+    def engine_args(self) -> EngineArgs:
+        target, drafter = resolve_pair(self.target, self.drafter)
+        return EngineArgs(target=target, drafter=drafter, num_speculative_tokens=self.num_speculative_tokens,
+                          context_storage=self.context_storage, dtype=self.dtype, device=self.device,
+                          max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len,
+                          kv_cache_memory=self.kv_cache_memory, enable_prefix_caching=True,
+                          enforce_eager=self.enforce_eager)
+
+    @property
+    def model_name(self) -> str:
+        if self.served_model_name:
+            return self.served_model_name
+        return "dflash-demo" if self.target is None else Path(self.target).resolve().name
