@@ -23,10 +23,22 @@ DISCONNECT_POLL_S = 0.1
 
 
 class ServerSlot:
-    """Where the routes find this process's server; empty until it is installed."""
+    """Where the routes find this process's server; empty until it is installed.
 
-    def __init__(self):
+    A named slot is process-wide: pickling one (Ray Serve ships a copy of the app, closures and all,
+    to every replica process) and unpickling it gives that process's slot of the same name, so the
+    replica's constructor and the copied routes meet. An unnamed slot stays in its process.
+    """
+
+    def __init__(self, name: str | None = None):
+        self.name = name
         self._server: OpenAIServer | None = None
+        self.rank: int | None = None  # the Ray Serve replica's rank, named in X-Dflash-Replica
+
+    def __reduce__(self):
+        if self.name is None:
+            raise TypeError("an unnamed ServerSlot cannot leave its process; use slot_named()")
+        return (slot_named, (self.name,))
 
     def install(self, server: OpenAIServer) -> None:
         self._server = server
@@ -38,8 +50,26 @@ class ServerSlot:
         return self._server
 
 
+_NAMED_SLOTS: dict[str, ServerSlot] = {}
+
+
+def slot_named(name: str) -> ServerSlot:
+    """This process's slot called `name` (made on first use)."""
+    if name not in _NAMED_SLOTS:
+        _NAMED_SLOTS[name] = ServerSlot(name)
+    return _NAMED_SLOTS[name]
+
+
 def create_app(slot: ServerSlot) -> FastAPI:
     app = FastAPI(title="dflash-serve", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.middleware("http")
+    async def replica_header(request: Request, call_next):
+        """Every response names the replica that served it: routing made visible (and testable)."""
+        response = await call_next(request)
+        if slot.rank is not None:
+            response.headers["X-Dflash-Replica"] = str(slot.rank)
+        return response
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, error: ApiError) -> JSONResponse:

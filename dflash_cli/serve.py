@@ -1,0 +1,79 @@
+"""`dflash serve`: the OpenAI-compatible server, as a Ray Serve application, in the foreground.
+
+It prints one ready line (the URL and a curl example) once every replica is ready, and on Ctrl-C or
+SIGTERM drains: the replicas finish the requests they hold, then the application and the Ray this
+command started (never a cluster it joined) stop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import threading
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "serve", help="serve the OpenAI-compatible HTTP API (Ray Serve)",
+        description="Serve a target (default: the built-in demo pair) with its DFlash drafter over an "
+                    "OpenAI-compatible HTTP API, as a Ray Serve application.",
+    )
+    parser.add_argument("--target", help="target checkpoint directory (default: the built-in demo pair)")
+    parser.add_argument("--drafter", help="DFlash drafter directory ('none': plain decoding)")
+    parser.add_argument("--host", default="127.0.0.1", help="HTTP address to bind (default: 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000, help="HTTP port (default: 8000)")
+    parser.add_argument("--admin-port", type=int, default=50051,
+                        help="admin gRPC port (pool stats, health) of replica 0; replica i uses +i; -1: off")
+    parser.add_argument("--replicas", type=int, default=1, help="model replicas (default: 1)")
+    parser.add_argument("--address", help="Ray cluster to join (default: $RAY_ADDRESS, else a local Ray)")
+    parser.add_argument("-k", "--num-speculative-tokens", type=int, help="drafts per step")
+    parser.add_argument("--context-storage", choices=("paged", "dense"), default="paged")
+    parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"))
+    parser.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda when available)")
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--max-model-len", type=int)
+    parser.add_argument("--kv-cache-memory", help="pool budget per replica, e.g. 512MiB")
+    parser.add_argument("--max-waiting", type=int, default=256, help="queued requests before 429")
+    parser.add_argument("--api-key-file", help="file holding the API key clients must send (default: "
+                                               "$DFLASH_API_KEY holds the key itself; neither: no key)")
+    parser.add_argument("--admin-token-file", help="file holding the admin gRPC bearer token")
+    parser.add_argument("--served-model-name", help="the model name clients ask for")
+    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    parser.add_argument("--num-cpus-per-replica", type=float, default=1.0)
+    parser.add_argument("--num-gpus-per-replica", type=float, default=None,
+                        help="GPUs per replica (default: 1 on a GPU machine, else 0)")
+    parser.set_defaults(func=run)
+
+
+def serve_args(args: argparse.Namespace):
+    from target_service.serve_args import ServeArgs
+
+    fields = {name: getattr(args, name) for name in ServeArgs.model_fields if getattr(args, name, None) is not None}
+    if fields.get("admin_port") == -1:
+        fields["admin_port"] = None
+    if args.num_gpus_per_replica is None:
+        import torch
+
+        fields["num_gpus_per_replica"] = 1.0 if torch.cuda.is_available() and args.device != "cpu" else 0.0
+    return ServeArgs(**fields)
+
+
+def run(args: argparse.Namespace) -> int:
+    from target_service import deploy
+
+    settings = serve_args(args)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    started_ray = deploy.start_ray(settings)
+    try:
+        url = deploy.serve_application(settings)
+        example = json.dumps({"model": settings.model_name, "prompt": "def fibonacci(n):", "max_tokens": 32})
+        print(f"dflash serve: ready at {url}/v1 (model {settings.model_name}, {settings.replicas} replica(s)); "
+              f"try: curl {url}/v1/completions -H 'Content-Type: application/json' -d '{example}'", flush=True)
+        stop.wait()
+        print("dflash serve: draining in-flight requests, then stopping", flush=True)
+    finally:
+        deploy.stop(started_ray)
+    return 0
