@@ -24,7 +24,8 @@ def register(subparsers) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="HTTP address to bind (default: 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="HTTP port (default: 8000)")
     parser.add_argument("--admin-port", type=int, default=50051,
-                        help="admin gRPC port (pool stats, health) of replica 0; replica i uses +i; -1: off")
+                        help="admin gRPC port (pool stats, health) of replica 0; replica i uses +i; "
+                             "-1: off")
     parser.add_argument("--replicas", type=int, default=1, help="model replicas (default: 1)")
     parser.add_argument("--address", help="Ray cluster to join (default: $RAY_ADDRESS, else a local Ray)")
     parser.add_argument("-k", "--num-speculative-tokens", type=int, help="drafts per step")
@@ -49,7 +50,8 @@ def register(subparsers) -> None:
 def serve_args(args: argparse.Namespace):
     from target_service.serve_args import ServeArgs
 
-    fields = {name: getattr(args, name) for name in ServeArgs.model_fields if getattr(args, name, None) is not None}
+    fields = {name: getattr(args, name) for name in ServeArgs.model_fields
+              if getattr(args, name, None) is not None}
     if fields.get("admin_port") == -1:
         fields["admin_port"] = None
     if args.num_gpus_per_replica is None:
@@ -64,14 +66,16 @@ def run(args: argparse.Namespace) -> int:
 
     settings = serve_args(args)
     stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
     started_ray = deploy.start_ray(settings)
     try:
         url = deploy.serve_application(settings)
+        # after Ray's start: its core worker installs a failure handler for SIGTERM that aborts
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
         example = json.dumps({"model": settings.model_name, "prompt": "def fibonacci(n):", "max_tokens": 32})
-        print(f"dflash serve: ready at {url}/v1 (model {settings.model_name}, {settings.replicas} replica(s)); "
-              f"try: curl {url}/v1/completions -H 'Content-Type: application/json' -d '{example}'", flush=True)
+        print(f"dflash serve: ready at {url}/v1 (model {settings.model_name}, {settings.replicas} "
+              f"replica(s)); try: curl {url}/v1/completions -H 'Content-Type: application/json' "
+              f"-d '{example}'", flush=True)
         stop.wait()
         print("dflash serve: draining in-flight requests, then stopping", flush=True)
     finally:

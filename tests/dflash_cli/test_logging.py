@@ -50,6 +50,7 @@ LEAVES = {
     "admin health": ["--address", "h:1"],
     "train target": ["--out", "o"],
     "train drafter": ["--target", "t", "--out", "o"],
+    "serve": [],
 }
 
 

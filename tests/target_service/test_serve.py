@@ -1,0 +1,157 @@
+"""`dflash serve` for real: a subprocess starting its own Ray (loopback) and two Serve replicas of the
+demo pair, driven over HTTP with the `openai` client. One server for the whole module (starting Ray,
+Serve and two models takes ~20 s on two cores); each test protects one promise of the server."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from kvpool_service.client import KVPoolClient
+from target_service.llm import LLM
+from target_service.sampling_params import SamplingParams
+
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray")]
+MODEL = dict(device="cpu", dtype="float32", kv_cache_memory="16MiB", max_model_len=512, max_num_seqs=4)
+PROMPT = "def parse_args(argv):\n    parser = "
+READY_TIMEOUT_S = 150
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Server:
+    def __init__(self):
+        self.port, self.admin_port = free_port(), free_port()
+        while self.admin_port + 1 == self.port:
+            self.admin_port = free_port()
+        command = [sys.executable, "-m", "dflash_cli.main", "serve", "--port", str(self.port),
+                   "--admin-port", str(self.admin_port), "--replicas", "2", "--num-cpus-per-replica", "0.5",
+                   "--device", "cpu",
+                   "--dtype", "float32", "--kv-cache-memory", MODEL["kv_cache_memory"], "--max-model-len",
+                   str(MODEL["max_model_len"]), "--max-num-seqs", str(MODEL["max_num_seqs"])]
+        env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
+        env.pop("RAY_ADDRESS", None)
+        self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                        env=env)
+        self.lines: list[str] = []
+        self.ready = threading.Event()
+        threading.Thread(target=self._read, daemon=True).start()
+        if not self.ready.wait(READY_TIMEOUT_S):
+            self.process.kill()
+            raise AssertionError("dflash serve never became ready:\n" + "".join(self.lines[-30:]))
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def _read(self):
+        for line in self.process.stdout:
+            self.lines.append(line)
+            if line.startswith("dflash serve: ready at"):
+                self.ready.set()
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="none", max_retries=0)
+
+    def admin(self, rank: int) -> KVPoolClient:
+        return KVPoolClient(f"127.0.0.1:{self.admin_port + rank}")
+
+
+@pytest.fixture(scope="module")
+def server():
+    started = Server()
+    yield started
+    if started.process.poll() is None:
+        started.process.send_signal(signal.SIGTERM)
+        try:
+            started.process.wait(60)
+        except subprocess.TimeoutExpired:
+            started.process.kill()
+
+
+@pytest.fixture(scope="module")
+def expected():
+    llm = LLM(**MODEL)
+    out = llm.generate([PROMPT], SamplingParams(max_tokens=32, temperature=0))[0].outputs[0]
+    llm.close()
+    return out
+
+
+def test_ready_line_names_the_url_and_a_curl_example(server):
+    ready = next(line for line in server.lines if line.startswith("dflash serve: ready at"))
+    assert f"http://127.0.0.1:{server.port}/v1" in ready and "curl" in ready and "dflash-demo" in ready
+
+
+def test_completions_and_streams_equal_the_offline_llm(server, expected):
+    api = server.client()
+    whole = api.completions.create(model="dflash-demo", prompt=PROMPT, max_tokens=32, temperature=0)
+    assert whole.choices[0].text == expected.text
+    assert whole.usage.completion_tokens == len(expected.token_ids)
+    stream = api.completions.create(model="dflash-demo", prompt=PROMPT, max_tokens=32, temperature=0,
+                                    stream=True)
+    assert "".join(chunk.choices[0].text for chunk in stream if chunk.choices) == expected.text
+
+
+def test_requests_spread_over_both_replicas(server):
+    ranks = set()
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        for _ in range(12):
+            reply = http.post("/v1/completions", json={"prompt": "x = ", "max_tokens": 2})
+            assert reply.status_code == 200
+            ranks.add(reply.headers["x-dflash-replica"])
+    assert ranks == {"0", "1"}
+
+
+def test_admin_grpc_answers_per_replica_and_a_dropped_stream_frees_its_pages(server):
+    admins = [server.admin(rank) for rank in (0, 1)]
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        body = {"prompt": PROMPT, "max_tokens": 400, "ignore_eos": True, "stream": True}
+        with http.stream("POST", "/v1/completions", json=body) as response:
+            lines = response.iter_lines()
+            next(line for line in lines if line.startswith("data:"))
+            held = sum(admin.stats().num_used_blocks for admin in admins)
+        # the client left mid-stream: its request is aborted and its pages freed at once
+    deadline = time.monotonic() + 20
+    while sum(admin.stats().num_used_blocks for admin in admins) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert held > 0 and sum(admin.stats().num_used_blocks for admin in admins) == 0
+    assert all(admin.stats().num_seqs == 0 for admin in admins)
+
+
+def test_metrics_move_as_requests_run(server):
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        for _ in range(4):
+            http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 16, "temperature": 0})
+        texts = [http.get("/metrics").text for _ in range(8)]  # a scrape reaches one replica
+    drafted = [line for text in texts for line in text.splitlines()
+               if line.startswith("dflash:spec_decode_num_drafts_total{")]
+    assert drafted and max(float(line.rsplit(" ", 1)[1]) for line in drafted) > 0
+    assert any("dflash:request_success_total" in text for text in texts)
+
+
+def test_sigterm_drains_in_flight_requests_then_exits(server):
+    result = {}
+
+    def long_request():
+        with httpx.Client(base_url=server.url, timeout=120) as http:
+            body = {"prompt": PROMPT, "max_tokens": 300, "ignore_eos": True}
+            reply = http.post("/v1/completions", json=body)
+            result["status"], result["body"] = reply.status_code, reply.json()
+
+    worker = threading.Thread(target=long_request)
+    worker.start()
+    time.sleep(1.0)  # the request is running
+    server.process.send_signal(signal.SIGTERM)
+    worker.join(120)
+    assert result["status"] == 200 and result["body"]["usage"]["completion_tokens"] == 300
+    assert server.process.wait(90) == 0
