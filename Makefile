@@ -1,4 +1,4 @@
-# Two commands for a fresh machine: `make run` (set up, then the main job) and `make test`.
+# Two commands for a fresh machine: `make run` (set up, then serve the demo pair) and `make test`.
 # Setup is idempotent: it rebuilds .venv only when pyproject.toml changed since the last setup.
 
 PYTHON ?= python3
@@ -23,10 +23,10 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -c "import kernels, kvpool_service, drafter_service, target_service, ray, grpc, pydantic"
 	touch $(STAMP)
 
-run: setup
-	$(BIN)/dflash generate "def parse_args(argv):" --max-tokens 128
+run: setup  # the pool plan of a real geometry, then the server with the demo pair (Ctrl-C stops it)
 	$(BIN)/dflash plan --target examples/qwen3-8b --drafter examples/qwen3-8b-dflash-b16 \
 		--memory 40GiB --max-model-len 32768 --max-num-seqs 64 --avg-seq-len 4096
+	$(BIN)/dflash serve
 
 test: setup
 	$(BIN)/ruff check .
