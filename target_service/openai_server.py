@@ -225,6 +225,9 @@ class OpenAIServer:
                 last = delta
         except (QueueFull, EngineDead, ValueError) as error:
             raise _as_api_error(error) from None
+        except asyncio.CancelledError:  # the client left: counted as an aborted request
+            self._observe(started, first, last, aborted=True)
+            raise
         self._observe(started, first, last)
         return "".join(text), last.finish_reason, last.num_output_tokens
 
@@ -255,6 +258,9 @@ class OpenAIServer:
                 totals[job.index] = last.num_output_tokens
             except (QueueFull, EngineDead, ValueError) as error:
                 events.put_nowait(sse_event(_as_api_error(error).to_response()))
+            except asyncio.CancelledError:  # the client left mid-stream
+                self._observe(started, first, last, aborted=True)
+                raise
             finally:
                 events.put_nowait(None)
 
@@ -278,15 +284,17 @@ class OpenAIServer:
             for task in tasks:
                 task.cancel()
 
-    def _observe(self, started: float, first: float | None, last) -> None:
-        if self.metrics is not None and last is not None:
-            now = time.perf_counter()
-            self.metrics.observe(
-                first_token_s=(first or now) - started,
-                total_s=now - started,
-                num_output_tokens=last.num_output_tokens,
-                finish_reason=last.finish_reason,
-            )
+    def _observe(self, started: float, first: float | None, last, *, aborted: bool = False) -> None:
+        """One finished (or, `aborted`, abandoned) request into the metrics."""
+        if self.metrics is None or (last is None and not aborted):
+            return
+        now = time.perf_counter()
+        self.metrics.observe(
+            first_token_s=(first or now) - started,
+            total_s=now - started,
+            num_output_tokens=last.num_output_tokens if last is not None else 0,
+            finish_reason="abort" if aborted else last.finish_reason,
+        )
 
     def _usage(self, jobs: list[_Job], results) -> UsageInfo:
         return UsageInfo(prompt_tokens=_prompt_tokens(jobs), completion_tokens=sum(r[2] for r in results))

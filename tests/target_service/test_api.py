@@ -152,3 +152,22 @@ def test_models_health_and_metrics(served):
     assert health.status_code == 200 and json.loads(health.text) == {"status": "ok"}
     assert "dflash:spec_decode_num_drafts_total" in metrics.text
     assert [m.id for m in models.data] == ["dflash-demo"]
+
+
+def test_a_draining_server_answers_503_with_retry_after_and_fails_its_health_probe(served):
+    replica, app = served
+
+    async def main():
+        replica.server.draining = True
+        try:
+            with pytest.raises(openai.InternalServerError) as unavailable:
+                await client(app).completions.create(model="dflash-demo", prompt="x", max_tokens=2)
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as raw:
+                health = await raw.get("/health")
+        finally:
+            replica.server.draining = False
+        return unavailable.value, health
+
+    error, health = asyncio.run(main())
+    assert error.status_code == 503 and error.response.headers["retry-after"] == "1"
+    assert error.body["code"] == "service_unavailable" and health.status_code == 503

@@ -128,6 +128,34 @@ def test_admin_grpc_answers_per_replica_and_a_dropped_stream_frees_its_pages(ser
     assert all(admin.stats().num_seqs == 0 for admin in admins)
 
 
+def aborted_requests(server) -> float:
+    """Aborted requests over both replicas (a scrape reaches one replica: scrape until both seen)."""
+    latest = {}
+    with httpx.Client(base_url=server.url, timeout=30) as http:
+        for _ in range(40):
+            text, rank = (reply := http.get("/metrics")).text, reply.headers["x-dflash-replica"]
+            latest[rank] = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                               if line.startswith("dflash:request_success_total{")
+                               and 'reason="abort"' in line)
+            if len(latest) == 2:
+                break
+    return sum(latest.values())
+
+
+def test_a_client_that_gives_up_on_a_whole_response_cancels_it_and_frees_its_pages(server):
+    admins = [server.admin(rank) for rank in (0, 1)]
+    aborted = aborted_requests(server)
+    body = {"prompt": PROMPT, "max_tokens": 400, "ignore_eos": True}
+    with httpx.Client(base_url=server.url, timeout=httpx.Timeout(60, read=0.5)) as http, \
+            pytest.raises(httpx.ReadTimeout):
+        http.post("/v1/completions", json=body)  # the client hangs up after half a second
+    deadline = time.monotonic() + 20
+    while sum(admin.stats().num_used_blocks for admin in admins) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert sum(admin.stats().num_used_blocks for admin in admins) == 0
+    assert aborted_requests(server) == aborted + 1  # cancelled, not run to its 400 tokens
+
+
 def test_metrics_move_as_requests_run(server):
     with httpx.Client(base_url=server.url, timeout=60) as http:
         for _ in range(4):
