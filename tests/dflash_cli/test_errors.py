@@ -133,3 +133,19 @@ def test_an_error_of_the_whole_model_is_its_message_without_an_empty_name():
 ])
 def test_dash_values_are_attached_to_their_flag_only(argv, expected):
     assert attach_dash_values(cli.build_parser(), argv) == expected
+
+
+@pytest.mark.parametrize(("argv", "expected"), [
+    (["--port", "70000"], "--port: "),
+    (["--replicas", "0"], "--replicas: "),
+    (["--kv-cache-memory", "banana"], "--kv-cache-memory: "),
+    (["--device", "tpu"], "--device: "),
+    (["--api-key-file", "/no/such/key"], "--api-key-file: /no/such/key is not a readable file"),
+    (["--max-waiting", "-1"], "--max-waiting: "),
+])
+def test_serve_refuses_bad_flags_before_starting_anything(dflash, argv, expected, monkeypatch):
+    import target_service.deploy as deploy
+
+    monkeypatch.setattr(deploy, "start_ray", lambda settings: pytest.fail("Ray was started"))
+    code, err = dflash("serve", *argv)
+    assert code == 2 and err.startswith(f"dflash serve: error: {expected}"), err
