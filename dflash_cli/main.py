@@ -34,6 +34,7 @@ SUBCOMMAND_MODULES = (
     "dflash_cli.admin",
     "dflash_cli.train",
     "dflash_cli.serve",
+    "dflash_cli.bench",
 )
 BROKEN_PIPE = 128 + 13  # what a shell reports for a writer stopped by SIGPIPE (`cat big | head`)
 INTERRUPTED = 128 + 2  # likewise for SIGINT

@@ -51,6 +51,8 @@ LEAVES = {
     "train target": ["--out", "o"],
     "train drafter": ["--target", "t", "--out", "o"],
     "serve": [],
+    "bench serve": ["--url", "u", "--concurrency", "1"],
+    "bench step": [],
 }
 
 
