@@ -6,7 +6,7 @@ import random
 
 import pytest
 import torch
-from tiny_checkpoints import write_drafter_checkpoint, write_target_checkpoint
+from tiny_checkpoints import write_target_checkpoint
 
 from drafter_service.cuda_graphs import ProposeGraphs
 from target_service.checkpoint import load_target
@@ -50,22 +50,9 @@ def test_a_padded_target_batch_equals_the_unpadded_forward(tmp_path, q_len, taps
 
 
 def test_a_padded_proposal_equals_the_unpadded_one(tmp_path):
-    from drafter_service.assembler import DrafterArgs, DrafterAssembler
-    from kvpool_service.assembler import PoolArgs, build_pool
-    from target_service.assembler import TargetAssembler
-    from target_service.engine_args import EngineArgs
+    from draft_workers import make_draft_worker
 
-    target = write_target_checkpoint(tmp_path / "t", seed=3)
-    drafter = write_drafter_checkpoint(tmp_path / "d", target, block_size=8, seed=4)
-    args = EngineArgs(target=str(target), drafter=str(drafter), device="cpu", tokens_per_block=TPB,
-                      max_num_seqs=8, max_model_len=64, kv_cache_memory="1MiB")
-    sizer = TargetAssembler(args)
-    pool = build_pool(PoolArgs(spec=sizer.pool_spec(), budget_bytes=sizer.kv_budget(), max_num_seqs=8,
-                               max_model_len=64, share=False))
-    buffers = sizer.create_step_buffers(share=False)
-    worker = DrafterAssembler(DrafterArgs(drafter=str(drafter), target=str(target), dtype=sizer.dtype,
-                                          max_num_seqs=8, max_model_len=64)).load().build(pool.handle,
-                                                                                       buffers.export())
+    worker, buffers, pool = make_draft_worker(tmp_path, max_num_seqs=8)
     rows = [(seq, pos) for seq, n in enumerate([9, 20, 33]) for pos in range(n)]
     tables = [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
     slots = [tables[seq][pos // TPB] * TPB + pos % TPB for seq, pos in rows]
