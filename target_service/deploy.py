@@ -84,6 +84,13 @@ def build_application(args: ServeArgs):
     return deployment.bind(args)
 
 
+def app_builder(config: dict):
+    """The application for a Ray Serve config file (KubeRay's serveConfigV2): `import_path:
+    target_service.deploy:app_builder`, with `args` holding `dflash serve`'s settings by their field
+    names (validated like the command's flags)."""
+    return build_application(ServeArgs(**config))
+
+
 def start_ray(args: ServeArgs) -> bool:
     """Join the cluster at `--address` (or RAY_ADDRESS); else start a local Ray on loopback.
     Returns whether this process started Ray (and so must stop it)."""
