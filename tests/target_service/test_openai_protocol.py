@@ -10,9 +10,9 @@ import time
 import pytest
 from pydantic import ValidationError
 
+from target_service.api_errors import ApiError
 from target_service.openai_protocol import (
     SSE_DONE,
-    ApiError,
     AssistantMessage,
     ChatCompletionChoice,
     ChatCompletionRequest,
