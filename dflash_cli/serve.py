@@ -2,7 +2,7 @@
 
 It prints one ready line (the URL and a curl example) once every replica is ready, and on Ctrl-C or
 SIGTERM drains: the replicas finish the requests they hold, then the application and the Ray this
-command started (never a cluster it joined) stop.
+command started stop. On a cluster it joined (--address) only its application is deleted.
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ def register(subparsers) -> None:
                         help="admin gRPC port (pool stats, health) of replica 0; replica i uses +i; "
                              "-1: off")
     parser.add_argument("--replicas", type=int, default=1, help="model replicas (default: 1)")
-    parser.add_argument("--address", help="Ray cluster to join (default: $RAY_ADDRESS, else a local Ray)")
+    parser.add_argument("--address", help="Ray cluster to join: its GCS host:port or ray://host:10001 "
+                                          "(default: $RAY_ADDRESS, else a local Ray)")
     parser.add_argument("-k", "--num-speculative-tokens", type=int, help="drafts per step")
     parser.add_argument("--context-storage", choices=("paged", "dense"), default="paged")
     parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"))
@@ -44,6 +45,9 @@ def register(subparsers) -> None:
     parser.add_argument("--num-cpus-per-replica", type=float, default=1.0)
     parser.add_argument("--num-gpus-per-replica", type=float, default=None,
                         help="GPUs per replica (default: 1 on a GPU machine, else 0)")
+    parser.add_argument("--replica-resources", metavar="JSON",
+                        help="custom Ray resources a replica needs, e.g. '{\"dflash_gpu\": 1}' (default: "
+                             "none); each replica's CPUs, GPUs and these sit on one node")
     parser.set_defaults(func=run)
 
 
@@ -66,9 +70,7 @@ def run(args: argparse.Namespace) -> int:
 
     settings = serve_args(args)
     stop = threading.Event()
-    started_ray = deploy.start_ray(settings)
-    try:
-        url = deploy.serve_application(settings)
+    with deploy.serving(settings) as url:
         # after Ray's start: its core worker installs a failure handler for SIGTERM that aborts
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: stop.set())
@@ -78,6 +80,4 @@ def run(args: argparse.Namespace) -> int:
               f"-d '{example}'", flush=True)
         stop.wait()
         print("dflash serve: draining in-flight requests, then stopping", flush=True)
-    finally:
-        deploy.stop(started_ray)
     return 0

@@ -7,16 +7,28 @@ installs its server there. Ray Serve ships each replica a pickled copy of the ap
 a named slot unpickles to that process's own slot of the same name (`api.slot_named`), so the copied
 routes and the constructor meet.
 
+Placement: each replica gets its own placement group of one bundle (its CPUs, GPUs and custom
+`replica_resources`), STRICT_PACK, so a replica never straddles nodes, and the actors it will start
+(the Ray services) land in its group. One replica per GPU is the GPU count's doing (or a custom
+resource standing in for a GPU on a CPU cluster), not a per-node cap. Every response names the Ray
+node that served it (X-Dflash-Node).
+
 Ray on one machine binds loopback only (docs/architecture.md section 8): with no `--address` (and
-no RAY_ADDRESS) a local Ray is started for this command alone and stopped with it.
+no RAY_ADDRESS) a local Ray is started for this command alone and stopped with it. On a cluster it
+joins, the command deploys its application (refusing when one of that name already runs there),
+and on leaving deletes only that application: Serve and the cluster go on, the driver disconnects.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 import os
 import time
+from collections.abc import Iterator
 
+import ray
 from ray import serve
 
 from target_service.api import create_app, slot_named
@@ -27,12 +39,27 @@ logger = logging.getLogger(__name__)
 
 NAMESPACE = "dflash"
 APP_NAME = "dflash"
+DEPLOYMENT_NAME = "DFlashReplica"
 DRAIN_TIMEOUT_S = 60.0
 LOCAL_RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0",
                  "RAY_AUTH_MODE": "disabled"}
 
 SLOT = slot_named("dflash")
 APP = create_app(SLOT)
+
+
+@APP.middleware("http")
+async def node_header(request, call_next):
+    """Every response names the Ray node whose replica served it: placement made visible (and
+    testable). Here, not in api.py: the routes know nothing of Ray."""
+    response = await call_next(request)
+    response.headers["X-Dflash-Node"] = _node_id()
+    return response
+
+
+@functools.cache
+def _node_id() -> str:
+    return ray.get_runtime_context().get_node_id()
 
 
 @serve.ingress(APP)
@@ -44,6 +71,7 @@ class DFlashReplica:
         self.replica = Replica(args, rank)
         SLOT.rank = rank
         SLOT.install(self.replica.server)
+        logger.info("replica %d ready on node %s", rank, _node_id())
 
     def drain(self, timeout_s: float = DRAIN_TIMEOUT_S) -> int:
         """Refuse new requests (503) and wait for the running and waiting ones to finish; returns how
@@ -73,15 +101,31 @@ def _rank(context) -> int:
     return int(getattr(rank, "rank", rank) or 0)
 
 
-def build_application(args: ServeArgs):
-    """The Ray Serve application of `args`: `args.replicas` copies, each with its own resources."""
-    deployment = serve.deployment(
-        DFlashReplica, name="DFlashReplica", num_replicas=args.replicas,
-        ray_actor_options={"num_cpus": args.num_cpus_per_replica, "num_gpus": args.num_gpus_per_replica},
+def replica_bundle(args: ServeArgs) -> dict[str, float]:
+    """The one placement-group bundle of a replica: all it needs, on one node."""
+    bundle = {"CPU": args.num_cpus_per_replica, **args.replica_resources}
+    if args.num_gpus_per_replica:
+        bundle["GPU"] = args.num_gpus_per_replica
+    return bundle
+
+
+def replica_deployment(args: ServeArgs) -> serve.Deployment:
+    """`args.replicas` copies, each in its own STRICT_PACK placement group of `replica_bundle(args)`;
+    the replica actor takes the whole bundle. No `max_replicas_per_node`: a node with eight GPUs
+    holds eight replicas, one per GPU, and the resources alone say so."""
+    return serve.deployment(
+        DFlashReplica, name=DEPLOYMENT_NAME, num_replicas=args.replicas,
+        ray_actor_options={"num_cpus": args.num_cpus_per_replica, "num_gpus": args.num_gpus_per_replica,
+                           "resources": dict(args.replica_resources)},
+        placement_group_bundles=[replica_bundle(args)], placement_group_strategy="STRICT_PACK",
         max_ongoing_requests=max(1, args.max_num_seqs + args.max_waiting),
         graceful_shutdown_timeout_s=DRAIN_TIMEOUT_S, graceful_shutdown_wait_loop_s=0.5,
         health_check_period_s=5.0)
-    return deployment.bind(args)
+
+
+def build_application(args: ServeArgs):
+    """The Ray Serve application of `args`."""
+    return replica_deployment(args).bind(args)
 
 
 def app_builder(config: dict):
@@ -91,11 +135,29 @@ def app_builder(config: dict):
     return build_application(ServeArgs(**config))
 
 
-def start_ray(args: ServeArgs) -> bool:
-    """Join the cluster at `--address` (or RAY_ADDRESS); else start a local Ray on loopback.
-    Returns whether this process started Ray (and so must stop it)."""
-    import ray
+@contextlib.contextmanager
+def serving(args: ServeArgs) -> Iterator[str]:
+    """Serve `args` until the `with` block ends; yields the base URL once every replica is ready.
 
+    On the way out: every replica drains, the application is deleted, then what this process
+    started stops: a local Ray with its Serve; on a joined cluster nothing (the driver disconnects).
+    """
+    started_ray = start_ray(args)
+    try:
+        url = start_serve(args)  # refuses a taken application name before deploying anything
+        try:
+            serve.run(build_application(args), name=APP_NAME, route_prefix="/", blocking=False)
+            yield url
+        finally:
+            delete_application()
+    finally:
+        stop_ray(started_ray)
+
+
+def start_ray(args: ServeArgs) -> bool:
+    """Join the cluster at `--address` (or RAY_ADDRESS: `host:port` of its GCS, or `ray://host:10001`
+    through Ray Client); else start a local Ray on loopback. Returns whether this process started
+    Ray (and so must stop it)."""
     address = args.address or os.environ.get("RAY_ADDRESS")
     if address:
         ray.init(address=address, namespace=NAMESPACE, logging_level=logging.WARNING)
@@ -107,28 +169,41 @@ def start_ray(args: ServeArgs) -> bool:
     return True
 
 
-def serve_application(args: ServeArgs) -> str:
-    """Deploy (or update) the application; returns its base URL once every replica is ready."""
-    serve.start(http_options={"host": args.host, "port": args.port})
-    serve.run(build_application(args), name=APP_NAME, route_prefix="/", blocking=False)
-    return f"http://{args.host}:{args.port}"
+def start_serve(args: ServeArgs) -> str:
+    """Start Serve with one HTTP proxy, on the head node (several Ray nodes on one host share its
+    address, and every node's proxy would want the port), or join the Serve already running on a
+    joined cluster, whose proxy settings stay. Returns the proxy's base URL."""
+    serve.start(proxy_location="HeadOnly", http_options={"host": args.host, "port": args.port})
+    if APP_NAME in serve.status().applications:
+        raise ValueError(f"Ray Serve on this cluster already runs an application named {APP_NAME!r} "
+                         "(another dflash serve?); stop it first")
+    from ray.serve.context import _get_global_client  # Serve's HTTP settings have no public getter
+
+    http = _get_global_client().http_config
+    if (http.host, http.port) != (args.host, args.port):
+        logger.warning("Serve already runs on this cluster with its proxy on %s:%d; --host/--port are "
+                       "ignored", http.host, http.port)
+    return f"http://{http.host}:{http.port}"
 
 
-def stop(started_ray: bool) -> None:
+def delete_application() -> None:
     """Drain every replica (new requests get 503, running ones finish and their responses go out),
-    remove the application, then stop Ray if this process started it (never another's)."""
-    import ray
-
+    then delete this application, and only it."""
     try:
-        try:
-            handle = serve.get_deployment_handle("DFlashReplica", APP_NAME)
-            in_flight = handle.broadcast("drain").results()
-            logger.info("drained %d in-flight requests", sum(in_flight))
-            time.sleep(0.5)  # the last responses leave the proxy
-        except Exception as error:  # an app that never came up: nothing to drain
-            logger.warning("could not drain the replicas: %s", error)
-        serve.delete(APP_NAME)
-        serve.shutdown()
-    finally:
+        handle = serve.get_deployment_handle(DEPLOYMENT_NAME, APP_NAME)
+        in_flight = handle.broadcast("drain").results()
+        logger.info("drained %d in-flight requests", sum(in_flight))
+        time.sleep(0.5)  # the last responses leave the proxy
+    except Exception as error:  # an app that never came up: nothing to drain
+        logger.warning("could not drain the replicas: %s", error)
+    serve.delete(APP_NAME)
+
+
+def stop_ray(started_ray: bool) -> None:
+    """Stop Serve and Ray if this process started them; on a joined cluster only disconnect: Serve
+    keeps running there for the other applications (`serve.shutdown` would delete them all)."""
+    try:
         if started_ray:
-            ray.shutdown()
+            serve.shutdown()
+    finally:
+        ray.shutdown()

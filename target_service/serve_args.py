@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Literal
 
@@ -37,6 +38,9 @@ class ServeArgs(BaseModel):
     enforce_eager: bool = False
     num_cpus_per_replica: float = Field(1.0, gt=0)  # Ray resources of one replica (CPU machines)
     num_gpus_per_replica: float = Field(0.0, ge=0)
+    # custom Ray resources one replica needs besides its CPUs and GPUs, e.g. {"dflash_gpu": 1} standing
+    # in for a GPU on a CPU cluster; the flag takes JSON
+    replica_resources: dict[str, float] = Field(default_factory=dict)
 
     @field_validator("kv_cache_memory")
     @classmethod
@@ -49,6 +53,26 @@ class ServeArgs(BaseModel):
     @classmethod
     def _device(cls, value):
         return None if value is None else check_device_name(value)
+
+    @field_validator("replica_resources", mode="before")
+    @classmethod
+    def _resources_json(cls, value):
+        if isinstance(value, str):
+            try:
+                return json.loads(value)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"not JSON ({error}), got {value!r}") from None
+        return value
+
+    @field_validator("replica_resources")
+    @classmethod
+    def _custom_resources(cls, value):
+        for name, amount in value.items():
+            if name in ("CPU", "GPU"):
+                raise ValueError(f"{name} has its own flag (--num-{name.lower()}s-per-replica)")
+            if amount <= 0:
+                raise ValueError(f"{name} needs a positive amount, got {amount}")
+        return value
 
     @field_validator("api_key_file", "admin_token_file")
     @classmethod
