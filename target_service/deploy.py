@@ -67,8 +67,11 @@ class DFlashReplica:
     """The Ray Serve replica: builds one `Replica` and delegates; nothing else lives here."""
 
     def __init__(self, args: ServeArgs):
-        rank = _rank(serve.get_replica_context())
-        self.replica = Replica(args, rank)
+        context = serve.get_replica_context()
+        rank = _rank(context)
+        # the admin port counts replicas on this node (local rank): a pod's probes and the admin
+        # Service expect admin_port + 0..n-1 on every node, whatever the global ranks there are
+        self.replica = Replica(args, rank, admin_offset=_rank(context, "local_rank"))
         SLOT.rank = rank
         SLOT.install(self.replica.server)
         logger.info("replica %d ready on node %s", rank, _node_id())
@@ -96,9 +99,13 @@ class DFlashReplica:
             replica.close(DRAIN_TIMEOUT_S)
 
 
-def _rank(context) -> int:
+def _rank(context, which: str = "rank") -> int:
+    """The replica's global rank, or with which="local_rank" its rank among the replicas of its node
+    (Ray Serve 2.60's ReplicaRank; older versions give a plain global int)."""
     rank = getattr(context, "rank", 0)
-    return int(getattr(rank, "rank", rank) or 0)
+    if isinstance(rank, int) or rank is None:
+        return int(rank or 0)
+    return int(getattr(rank, which, getattr(rank, "rank", 0)) or 0)
 
 
 def replica_bundle(args: ServeArgs) -> dict[str, float]:

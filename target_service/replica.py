@@ -21,7 +21,8 @@ logger = logging.getLogger(__name__)
 
 
 class Replica:
-    def __init__(self, args: ServeArgs, rank: int = 0):
+    def __init__(self, args: ServeArgs, rank: int = 0, *, admin_offset: int | None = None):
+        """rank: the replica's number in the metrics; admin_offset: added to admin_port (default: rank)."""
         engine_args = args.engine_args()
         self.assembly = build_engine(engine_args)
         engine = self.assembly.engine
@@ -35,7 +36,8 @@ class Replica:
                                    target_dir=engine_args.target, metrics=self.metrics, api_key=api_key)
         self.admin = None
         if args.admin_port is not None:
-            port = 0 if args.admin_port == 0 else args.admin_port + rank
+            offset = rank if admin_offset is None else admin_offset
+            port = 0 if args.admin_port == 0 else args.admin_port + offset
             pool = self.assembly.pool
             self.admin = BackgroundServer(pool.blocks, pool.layout, host=args.host, port=port,
                                           token=load_token(args.admin_token_file), read_only=True).start()
