@@ -74,7 +74,7 @@ TINY_DRAFTER = {
 
 
 def _random(
-    shape: tuple[int, ...], name: str, dtype: torch.dtype, generator: torch.Generator, device: torch.device
+    shape: tuple[int, ...], dtype: torch.dtype, generator: torch.Generator, device: torch.device
 ) -> torch.Tensor:
     if len(shape) == 1:  # RMSNorm weights
         return torch.ones(shape, dtype=dtype)
@@ -88,7 +88,7 @@ def _write(directory: Path, config: dict, layout: dict, dtype: torch.dtype, seed
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     generator = torch.Generator(device).manual_seed(seed)
     tensors = {
-        name: _random(tuple(slot.shape), name, dtype, generator, device) for name, slot in layout.items()
+        name: _random(tuple(slot.shape), dtype, generator, device) for name, slot in layout.items()
     }
     save_sharded(tensors, directory, SHARD_BYTES)
 

@@ -125,10 +125,6 @@ class StepBuffers:
             self._owned.file.remove()
         self._buffer = None
 
-    @property
-    def device(self) -> torch.device:
-        return self.taps.device
-
     # ---- the target's side: stage one step ------------------------------------------------------
 
     def stage_context(self, taps: torch.Tensor, positions: list[int], seq_slots: list[int],

@@ -97,17 +97,13 @@ def create_app(slot: ServerSlot) -> FastAPI:
     async def completions(request: Request) -> Response:
         server = _authorized(slot, request)
         body = CompletionRequest.from_body(await _json(request))
-        if body.stream:
-            return _sse(server.completion_stream(body))
-        return JSONResponse((await _until_disconnected(request, server.completion(body))).model_dump())
+        return await _answer(request, body, server.completion, server.completion_stream)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         server = _authorized(slot, request)
         body = ChatCompletionRequest.from_body(await _json(request))
-        if body.stream:
-            return _sse(server.chat_stream(body))
-        return JSONResponse((await _until_disconnected(request, server.chat(body))).model_dump())
+        return await _answer(request, body, server.chat, server.chat_stream)
 
     return app
 
@@ -126,6 +122,13 @@ async def _json(request: Request):
         return json.loads(await request.body())
     except ValueError:
         raise ApiError.bad_request("the request body is not valid JSON") from None
+
+
+async def _answer(request: Request, body, whole, stream) -> Response:
+    """An SSE stream when the body asks for one, else the whole response as JSON."""
+    if body.stream:
+        return _sse(stream(body))
+    return JSONResponse((await _until_disconnected(request, whole(body))).model_dump())
 
 
 def _sse(events) -> StreamingResponse:

@@ -130,9 +130,6 @@ class AsyncEngine:
             if not finished:
                 self._commands.put(("abort", request_id))
 
-    def abort(self, request_id: str) -> None:
-        self._commands.put(("abort", request_id))
-
     def shutdown(self, timeout: float = 30.0) -> None:
         """Stop taking work; in-flight requests finish first (drain), then the thread ends."""
         self._stopping.set()

@@ -206,19 +206,11 @@ class OpenAIServer:
                 raise ApiError.bad_request(str(error), "prompt") from None
         return jobs
 
-    def _submit(self, job: _Job) -> AsyncIterator:
-        if self.draining:
-            raise ApiError.unavailable(RETRY_AFTER_S, "the server is shutting down")
-        try:
-            return self.engine.generate(job.prompt_token_ids, job.params)
-        except Exception as error:  # generate() checks nothing until it is iterated
-            raise _as_api_error(error) from None
-
     async def _run_one(self, job: _Job) -> tuple[str, str | None, int]:
         """(text, finish reason, output tokens) of one choice; observes its latency."""
         started, first, text, last = time.perf_counter(), None, [], None
         try:
-            async for delta in self._submit(job):
+            async for delta in self.engine.generate(job.prompt_token_ids, job.params):
                 if first is None and delta.token_ids:
                     first = time.perf_counter()
                 text.append(delta.text)
@@ -248,7 +240,7 @@ class OpenAIServer:
         async def pump(job: _Job):
             started, first, last = time.perf_counter(), None, None
             try:
-                async for delta in self._submit(job):
+                async for delta in self.engine.generate(job.prompt_token_ids, job.params):
                     if first is None and delta.token_ids:
                         first = time.perf_counter()
                     last = delta
