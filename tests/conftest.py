@@ -28,3 +28,20 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="module")
+def ray_machine():
+    """Holds this machine's Ray tests one module at a time, across xdist workers too: two local Ray
+    clusters and their model replicas at once overload two cores past the tests' startup timeouts
+    (xdist_group alone does not keep a group on one worker with this pytest and xdist)."""
+    import fcntl
+    import tempfile
+    from pathlib import Path
+
+    with open(Path(tempfile.gettempdir()) / "dflash-ray-tests.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)

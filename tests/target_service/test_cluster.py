@@ -26,7 +26,7 @@ import pytest
 from target_service.deploy import replica_bundle, replica_deployment
 from target_service.serve_args import ServeArgs
 
-pytestmark = pytest.mark.xdist_group("ray")
+pytestmark = [pytest.mark.xdist_group("ray"), pytest.mark.usefixtures("ray_machine")]
 READY_TIMEOUT_S = 150
 RESCHEDULE_TIMEOUT_S = 90
 PROMPT = "def parse_args(argv):\n    parser = "

@@ -68,7 +68,7 @@ class Server:
 
 
 @pytest.fixture(scope="module")
-def server():
+def server(ray_machine):
     started = Server()
     yield started
     if started.process.poll() is None:
