@@ -71,8 +71,11 @@ class DrafterAssembler:
         return self
 
     def build(self, pool_handle: PoolHandle, step_handle: StepBuffersHandle) -> DraftWorker:
+        """A worker over the pool and step buffers behind the handles; building again (after the target
+        or the pool restarted) drops the previous mappings first."""
         if self.model is None:
             self.load()
+        self.close()
         context = self._context(pool_handle)
         self.buffers = StepBuffers.attach(step_handle, step_handle.layout.model_copy(update={
             "tap_width": len(self.config.target_layer_ids) * self.target_config.hidden_size,
@@ -89,8 +92,10 @@ class DrafterAssembler:
     def close(self) -> None:
         if self.memory is not None:
             self.memory.close()
+            self.memory = None
         if self.buffers is not None:
             self.buffers.close()
+            self.buffers = None
 
     def _context(self, pool_handle: PoolHandle):
         """The draft spec layers of the pool (paged), or a dense per-slot reservation (baseline)."""

@@ -10,6 +10,15 @@ from __future__ import annotations
 from typing import Protocol, runtime_checkable
 
 
+class DrafterUnavailable(RuntimeError):
+    """The drafter cannot serve this call (its process died or is restarting).
+
+    Raised by a DraftControl whose drafter lives elsewhere; the engine then runs the step without
+    speculation and the sequences of that step decode plainly until recomputed. Never raised by
+    the in-process worker.
+    """
+
+
 @runtime_checkable
 class DraftControl(Protocol):
     @property

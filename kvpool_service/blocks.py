@@ -92,6 +92,9 @@ class BlockManager:
     def __contains__(self, seq_id: int) -> bool:
         return seq_id in self._seqs
 
+    def open_seq_ids(self) -> list[int]:
+        return list(self._seqs)
+
     def get(self, seq_id: int) -> SequenceBlocks:
         """The live record of an open sequence (read it, never write it)."""
         try:

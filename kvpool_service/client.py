@@ -63,9 +63,14 @@ def _encode(build, what: str):
 
 
 class KVPoolClient:
-    """A remote pool at `address` ("host:port"). Not thread-safe; one scheduler owns one client."""
+    """A remote pool at `address` ("host:port"). Not thread-safe: one thread at a time may call it
+    (one scheduler owns one client; `LeasedPoolControl` hands it between its two threads in turn).
 
-    def __init__(self, address: str, *, token: str | None = None, timeout: float = DEFAULT_TIMEOUT_S):
+    interceptors: gRPC client interceptors every call goes through (`traffic.TrafficCounter`).
+    """
+
+    def __init__(self, address: str, *, token: str | None = None, timeout: float = DEFAULT_TIMEOUT_S,
+                 interceptors: Sequence[grpc.UnaryUnaryClientInterceptor] = ()):
         if not address or ":" not in address:
             raise ValueError(f"address must be host:port, got {address!r}")
         if timeout <= 0:
@@ -73,6 +78,8 @@ class KVPoolClient:
         self.address, self.timeout = address, timeout
         self._channel = grpc.insecure_channel(address, options=[
             ("grpc.max_receive_message_length", MAX_MESSAGE), ("grpc.max_send_message_length", MAX_MESSAGE)])
+        if interceptors:
+            self._channel = grpc.intercept_channel(self._channel, *interceptors)
         self._stub = kvpool_pb2_grpc.KVPoolStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._metadata = (("authorization", f"Bearer {token}"),) if token else None

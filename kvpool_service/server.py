@@ -319,6 +319,16 @@ class BackgroundServer:
             raise
         return self
 
+    def run_in_server_thread(self, fn, timeout: float = 10.0):
+        """`fn()` on the server's thread, the only one that touches the BlockManager while it runs
+        (admin work beside the RPCs, such as freeing a dead engine's sequences); returns its result."""
+        async def call():
+            return fn()
+
+        if self._loop is None:
+            raise RuntimeError("the server is not running")
+        return asyncio.run_coroutine_threadsafe(call(), self._loop).result(timeout)
+
     def stop(self, grace: float = 0.5) -> None:
         if self.server is not None:
             asyncio.run_coroutine_threadsafe(self.server.stop(grace), self._loop).result(grace + 5.0)

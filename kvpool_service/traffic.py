@@ -17,10 +17,9 @@ from typing import NamedTuple
 
 import grpc
 from google.protobuf.descriptor import Descriptor, FieldDescriptor, FileDescriptor
-from grpc_health.v1 import health_pb2_grpc
 
 from kvpool_service.client import KVPoolClient
-from kvpool_service.proto import kvpool_pb2, kvpool_pb2_grpc
+from kvpool_service.proto import kvpool_pb2
 
 
 class MethodTraffic(NamedTuple):
@@ -64,12 +63,15 @@ class MeteredKVPoolClient(KVPoolClient):
     """A KVPoolClient whose every call is counted by `traffic`."""
 
     def __init__(self, address: str, *, traffic: TrafficCounter | None = None, **kwargs):
-        super().__init__(address, **kwargs)
         self.traffic = traffic if traffic is not None else TrafficCounter()
-        # KVPoolClient takes no interceptors: wrap the channel it built and make the stubs again.
-        self._channel = grpc.intercept_channel(self._channel, self.traffic)
-        self._stub = kvpool_pb2_grpc.KVPoolStub(self._channel)
-        self._health = health_pb2_grpc.HealthStub(self._channel)
+        super().__init__(address, interceptors=[self.traffic], **kwargs)
+
+    def traffic_totals(self) -> dict[str, int]:
+        """Calls and payload bytes over every method so far."""
+        methods = self.traffic.snapshot().values()
+        return {"calls": sum(m.calls for m in methods),
+                "request_bytes": sum(m.request_bytes for m in methods),
+                "response_bytes": sum(m.response_bytes for m in methods)}
 
 
 def tensor_fields(file: FileDescriptor = kvpool_pb2.DESCRIPTOR) -> list[str]:

@@ -111,19 +111,34 @@ class TargetAssembler:
             raise ValueError(f"the drafter's block_size {drafter.block_size} differs from its config's "
                              f"{self.drafter_config.block_size}")
         model, args = self._model(), self.args
-        layout = pool_handle.layout
-        own = PoolSpec.from_configs(self.checkpoint.config, tokens_per_block=layout.spec.tokens_per_block,
-                                    dtype=self.kv_dtype).target
-        expected = layout.model_copy(update={"spec": layout.spec.model_copy(update={"target": own})})
-        self.memory = PoolMemory.attach(pool_handle, expected)
+        caches, layout = self._attach(pool_handle)
         limits = pool.limits()
         scheduler = Scheduler(pool, max_num_seqs=args.max_num_seqs, max_model_len=self.max_model_len,
                               max_num_batched_tokens=args.max_num_batched_tokens,
                               num_speculative_tokens=self.num_speculative_tokens)
         stop_checker = StopChecker(self.checkpoint.eos_token_ids, self.checkpoint.tokenizer)
-        caches = self.memory.layers("target")
         return LLMEngine(model, caches, scheduler, limits=limits, drafter=drafter, step_buffers=self.buffers,
                          stop_checker=stop_checker, seed=args.seed, graphs=self._graphs(caches, layout))
+
+    def rebind(self, engine: LLMEngine, pool: PoolControl, pool_handle: PoolHandle) -> list:
+        """Move `engine` onto a restarted pool: map its pages, capture graphs over them, and requeue
+        every running sequence for recompute (the new pool is empty). Returns the requeued ones."""
+        previous = self.memory
+        caches, layout = self._attach(pool_handle)
+        engine.graphs = None  # the old graphs hold the old pages; free them before capturing new ones
+        requeued = engine.rebind_pool(pool, caches, pool.limits(), self._graphs(caches, layout))
+        if previous is not None:
+            previous.close()
+        return requeued
+
+    def _attach(self, pool_handle: PoolHandle):
+        """The pool's target layers, mapped from the handle (refused unless the layout is ours)."""
+        layout = pool_handle.layout
+        own = PoolSpec.from_configs(self.checkpoint.config, tokens_per_block=layout.spec.tokens_per_block,
+                                    dtype=self.kv_dtype).target
+        expected = layout.model_copy(update={"spec": layout.spec.model_copy(update={"target": own})})
+        self.memory = PoolMemory.attach(pool_handle, expected)
+        return self.memory.layers("target"), layout
 
     def _graphs(self, caches, layout) -> TargetGraphs | None:
         """CUDA graphs of the steady-state steps (verify K + 1 rows with taps, or a 1-row decode)."""

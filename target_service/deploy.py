@@ -24,25 +24,22 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import os
 import time
 from collections.abc import Iterator
 
 import ray
 from ray import serve
 
+from target_service import ray_runtime
 from target_service.api import create_app, slot_named
 from target_service.replica import Replica
 from target_service.serve_args import ServeArgs
 
 logger = logging.getLogger(__name__)
 
-NAMESPACE = "dflash"
 APP_NAME = "dflash"
 DEPLOYMENT_NAME = "DFlashReplica"
 DRAIN_TIMEOUT_S = 60.0
-LOCAL_RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0",
-                 "RAY_AUTH_MODE": "disabled"}
 
 SLOT = slot_named("dflash")
 APP = create_app(SLOT)
@@ -162,18 +159,9 @@ def serving(args: ServeArgs) -> Iterator[str]:
 
 
 def start_ray(args: ServeArgs) -> bool:
-    """Join the cluster at `--address` (or RAY_ADDRESS: `host:port` of its GCS, or `ray://host:10001`
-    through Ray Client); else start a local Ray on loopback. Returns whether this process started
-    Ray (and so must stop it)."""
-    address = args.address or os.environ.get("RAY_ADDRESS")
-    if address:
-        ray.init(address=address, namespace=NAMESPACE, logging_level=logging.WARNING)
-        return False
-    for name, value in LOCAL_RAY_ENV.items():
-        os.environ.setdefault(name, value)
-    ray.init(address="local", namespace=NAMESPACE, include_dashboard=False, logging_level=logging.WARNING,
-             log_to_driver=False)
-    return True
+    """Join the cluster at `--address` (or RAY_ADDRESS); else start a local Ray on loopback. Returns
+    whether this process started Ray (and so must stop it)."""
+    return ray_runtime.start_ray(args.address)
 
 
 def start_serve(args: ServeArgs) -> str:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from drafter_service.control import DraftControl
+from drafter_service.control import DraftControl, DrafterUnavailable
 from drafter_service.step_buffers import StepBuffers
 from kernels import PAD_SLOT
 from kvpool_service.control import PoolLimits
@@ -120,6 +120,16 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished
 
+    def rebind_pool(self, pool, target_caches, limits: PoolLimits,
+                    graphs: TargetGraphs | None) -> list[Sequence]:
+        """Move onto a restarted (empty) pool: new control, pages and graphs over them; every running
+        sequence is recomputed into it (preempt-and-recompute). Returns the requeued sequences."""
+        if limits != self.limits:
+            raise ValueError(f"the restarted pool's limits {limits} differ from the engine's {self.limits}")
+        self.scheduler.pool = pool
+        self.target_caches, self.graphs = target_caches, graphs
+        return self.scheduler.requeue_all()
+
     # ---- the step -------------------------------------------------------------------------------
 
     def step(self) -> list[Sequence]:
@@ -127,7 +137,8 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         if plan.is_empty:
             raise RuntimeError("the scheduler found no work although requests are waiting")
-        drafts = self._propose(plan.decodes)
+        scheduled = _scheduled(plan)
+        drafts = self._propose(plan.decodes, scheduled)
         chunks, rows = self._chunks(plan, drafts)
         output = self._forward(pack(chunks, self.tokens_per_block, self.device), plan, drafts)
         greedy = self._greedy_tokens(output.logits, plan)
@@ -135,15 +146,15 @@ class LLMEngine:
                         for work in plan.decodes]
         context_rows += [self._finish_prefill(chunk, output, rows[chunk.seq.seq_id], greedy)
                          for chunk in plan.prefills]
-        self._store_context(output.taps, context_rows)
-        scheduled = _scheduled(plan)
+        self._store_context(output.taps, context_rows, scheduled)
         self.scheduler.commit([seq for seq in scheduled if not seq.finish_reason])
         finished = [seq for seq in scheduled if seq.finish_reason]
         self.scheduler.finish(finished)
         return finished
 
-    def _propose(self, decodes: list[DecodeWork]) -> dict[int, list[int]]:
-        """K drafts per decoding sequence, from one drafter call (K = the largest asked for)."""
+    def _propose(self, decodes: list[DecodeWork], scheduled: list[Sequence]) -> dict[int, list[int]]:
+        """K drafts per decoding sequence, from one drafter call (K = the largest asked for); none
+        when the drafter is unavailable."""
         drafting = [work for work in decodes if work.num_draft > 0]
         if self.drafter is None or not drafting:
             return {}
@@ -152,7 +163,11 @@ class LLMEngine:
         columns = self.step_buffers.stage_propose(
             [seq.bonus_token for seq in seqs], [seq.num_computed for seq in seqs], [seq.slot for seq in seqs],
             [seq.block_table for seq in seqs])
-        self.drafter.propose(len(seqs), num_draft, columns)
+        try:
+            self.drafter.propose(len(seqs), num_draft, columns)
+        except DrafterUnavailable as error:
+            self._lose_context(scheduled, error)
+            return {}
         tokens = self.step_buffers.draft_tokens[:len(seqs), :num_draft].tolist()
         return {work.seq.seq_id: row[: work.num_draft] for work, row in zip(drafting, tokens)}
 
@@ -221,19 +236,32 @@ class LLMEngine:
             self._emit(seq, self._target_tokens(seq, output.logits, rows.logits, greedy))
         return seq, chunk.start, rows.taps, chunk.num_tokens
 
-    def _store_context(self, taps: torch.Tensor, context_rows) -> None:
-        """One drafter call: every tap row of the step, rows past an accepted prefix skipped."""
-        if self.drafter is None or taps.shape[0] == 0:
+    def _store_context(self, taps: torch.Tensor, context_rows, scheduled: list[Sequence]) -> None:
+        """One drafter call: every tap row of the step, rows past an accepted prefix (and rows of
+        sequences whose context has a gap) skipped."""
+        if self.drafter is None or taps.shape[0] == 0 or not any(seq.has_context for seq in scheduled):
             return
         num_rows, tpb = taps.shape[0], self.tokens_per_block
         positions, seq_slots, slots = [0] * num_rows, [0] * num_rows, [PAD_SLOT] * num_rows
         for seq, start, tap_rows, keep in context_rows:
+            keep = keep if seq.has_context else 0
             for offset, row in enumerate(range(tap_rows.start, tap_rows.stop)):
                 position = start + offset
                 positions[row], seq_slots[row] = position, seq.slot
                 if offset < keep:
                     slots[row] = seq.block_table[position // tpb] * tpb + position % tpb
-        self.drafter.store_context(self.step_buffers.stage_context(taps, positions, seq_slots, slots))
+        try:
+            self.drafter.store_context(self.step_buffers.stage_context(taps, positions, seq_slots, slots))
+        except DrafterUnavailable as error:
+            self._lose_context(scheduled, error)
+
+    def _lose_context(self, scheduled: list[Sequence], error: DrafterUnavailable) -> None:
+        """The drafter missed this step: its sequences decode plainly from now on (lossless, as
+        any draft is) until recomputed; new requests speculate once the drafter is back."""
+        logger.warning("drafter unavailable (%s): %d sequences continue without speculation", error,
+                       sum(seq.has_context for seq in scheduled))
+        for seq in scheduled:
+            seq.has_context = False
 
     # ---- helpers --------------------------------------------------------------------------------
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence as Seq
+from typing import Literal
 
 from target_service.demo import resolve_pair
 from target_service.engine_args import EngineArgs
@@ -20,6 +21,11 @@ class LLM:
     drafter="none". With a target but no drafter (or drafter="none") it decodes plainly.
     `context_storage="dense"` reserves the draft context up front per slot (the baseline) instead of
     paging it in the pool.
+
+    `services="inprocess"` (the default) assembles the pool, drafter and target in this process;
+    `services="ray"` runs them as three Ray actors (`target_service.ray_services`: a local Ray on
+    loopback, or the cluster at `address` / RAY_ADDRESS) with the same outputs. `engine` is the
+    in-process engine, None with Ray.
     """
 
     def __init__(self, target: str | None = None, drafter: str | None = None, *,
@@ -29,7 +35,10 @@ class LLM:
                  gpu_memory_utilization: float = 0.9, tokens_per_block: int = 32,
                  enable_prefix_caching: bool = True, seed: int | None = None,
                  max_num_batched_tokens: int = 2048, enforce_eager: bool = False,
-                 cuda_graph_sizes: list[int] | None = None):
+                 cuda_graph_sizes: list[int] | None = None,
+                 services: Literal["inprocess", "ray"] = "inprocess", address: str | None = None):
+        if services not in ("inprocess", "ray"):
+            raise ValueError(f"services must be 'inprocess' or 'ray', got {services!r}")
         target, drafter = resolve_pair(target, drafter)
         self.args = EngineArgs(
             target=target, drafter=drafter,
@@ -40,14 +49,23 @@ class LLM:
             max_num_batched_tokens=max_num_batched_tokens, enforce_eager=enforce_eager,
             cuda_graph_sizes=cuda_graph_sizes,
         )
-        self.assembly = build_engine(self.args)
-        self.engine, self.tokenizer = self.assembly.engine, self.assembly.tokenizer
+        self.services = services
         self._ids = itertools.count()
+        if services == "ray":
+            from target_service.checkpoint import open_target_checkpoint
+            from target_service.ray_services import RayServices
+
+            self.tokenizer = open_target_checkpoint(target).tokenizer
+            self.engine = None
+            self.assembly = RayServices(self.args, address=address).start()
+        else:
+            self.assembly = build_engine(self.args)
+            self.engine, self.tokenizer = self.assembly.engine, self.assembly.tokenizer
 
     @property
     def stats(self) -> SpecDecodeStats:
         """Engine-wide speculative counters (num_drafts, ..., accepted per position)."""
-        return self.engine.stats
+        return self.assembly.stats() if self.engine is None else self.engine.stats
 
     def generate(self, prompts, params: SamplingParams | Seq[SamplingParams] | None = None
                  ) -> list[RequestOutput]:
@@ -55,6 +73,10 @@ class LLM:
         prompts = self._as_list(prompts)
         params = self._params_for(prompts, params)
         encoded = [self._encode(prompt) for prompt in prompts]
+        if self.engine is None:
+            results = self.assembly.generate(encoded, params)
+            return [self._result_output(prompt, ids, result)
+                    for prompt, ids, result in zip(prompts, encoded, results)]
         for ids, p in zip(encoded, params):  # refuse the whole call before anything runs
             self.engine.check_prompt(ids, p)
         seqs = [self.engine.add_request(f"req-{next(self._ids)}", ids, p) for ids, p in zip(encoded, params)]
@@ -99,6 +121,12 @@ class LLM:
         if not all(isinstance(token, int) for token in prompt):
             raise ValueError("a prompt is a string or a list of int token ids")
         return list(prompt)
+
+    @staticmethod
+    def _result_output(prompt, prompt_ids: list[int], result) -> RequestOutput:
+        completion = CompletionOutput(0, result.text, list(result.token_ids), result.finish_reason)
+        return RequestOutput(result.request_id, prompt if isinstance(prompt, str) else None, list(prompt_ids),
+                             [completion], True, result.spec_decode)
 
     def _output(self, prompt, seq: Sequence) -> RequestOutput:
         text = self.engine.stop_checker.output_text(seq)

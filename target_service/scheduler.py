@@ -72,7 +72,10 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def num_draft_tokens(self, seq: Sequence) -> int:
-        """K for this step: no draft past max_model_len or past the request's max_tokens."""
+        """K for this step: no draft past max_model_len or past the request's max_tokens, and none
+        for a sequence whose draft context has a gap (see `Sequence.has_context`)."""
+        if not seq.has_context:
+            return 0
         n = seq.num_computed
         remaining = seq.params.max_tokens - len(seq.output_token_ids)
         return max(0, min(self.num_speculative_tokens, self.max_model_len - n - 2, remaining - 1))
@@ -167,10 +170,27 @@ class Scheduler:
         for seq in seqs:
             known = seq.num_pool_known_tokens
             new_ids = seq.token_ids[known: seq.num_computed] if seq.num_computed > known else []
-            requests.append(CommitRequest(seq.seq_id, seq.num_computed, seq.num_computed, new_ids))
+            if seq.has_context:
+                seq.num_context = seq.num_computed
+            requests.append(CommitRequest(seq.seq_id, seq.num_computed, seq.num_context, new_ids))
             seq.num_pool_known_tokens = max(known, seq.num_computed)
         if requests:
             self.pool.commit(requests)
+
+    def requeue_all(self) -> list[Sequence]:
+        """The pool restarted empty: every running sequence waits again, to be recomputed into the new
+        pool (nothing is closed: the new pool never knew them). A sequence that finished in the step
+        the old pool failed in just finishes. Returns the requeued sequences."""
+        requeued = [seq for seq in self.running if not seq.finish_reason]
+        for seq in self.running:
+            if seq.finish_reason:
+                seq.status = SequenceStatus.FINISHED
+        for seq in sorted(requeued, key=lambda seq: seq.arrival, reverse=True):
+            seq.reset_for_recompute()
+            self.waiting.appendleft(seq)
+        self.running = []
+        self.num_preemptions += len(requeued)
+        return requeued
 
     def abort(self, seq: Sequence) -> None:
         """Drop a request wherever it is: a running one's pages and slot are released at once."""

@@ -16,6 +16,12 @@ Who writes what:
 | output_token_ids, num_computed,         | Engine (after each step)                      |
 | num_pool_known_tokens, finish_reason,   |                                               |
 | spec_decode (the request's counters)    |                                               |
+| has_context, num_context                | Engine (has_context), Scheduler (num_context) |
+
+`has_context` turns False when a step ran while the drafter was unavailable (its process died): the
+drafter then holds no context for that step's positions, so the sequence decodes plainly (verifies
+no drafts) until it is recomputed from its prefix; `num_context` stays where the context ends, so
+the pool never caches a block whose draft context was not written.
 """
 
 from __future__ import annotations
@@ -53,6 +59,8 @@ class Sequence:
     finish_reason: str | None = None
     spec_decode: SpecDecodeStats = field(default_factory=SpecDecodeStats)
     num_preemptions: int = 0
+    has_context: bool = True  # the drafter holds context for every computed position
+    num_context: int = 0  # positions whose draft context the pool has been told is stored
 
     @property
     def token_ids(self) -> list[int]:
@@ -83,5 +91,6 @@ class Sequence:
         """Forget the pool state after preemption; tokens stay and are prefilled again."""
         self.status = SequenceStatus.WAITING
         self.slot, self.block_table = -1, []
-        self.num_cached_tokens = self.num_computed = self.num_pool_known_tokens = 0
+        self.num_cached_tokens = self.num_computed = self.num_pool_known_tokens = self.num_context = 0
+        self.has_context = True  # the prefill stores the context again
         self.num_preemptions += 1

@@ -1,0 +1,266 @@
+"""The three services as colocated Ray actors: a pool, a drafter and a target for each replica (GPU).
+
+    services = RayServices(EngineArgs(...)).start()      # or LLM(..., services="ray")
+    results = services.generate([[1, 2, 3]], [SamplingParams(max_tokens=8)])
+
+Placement: one placement group per replica, three bundles STRICT_PACK (one node), each actor in its
+own bundle and OS process, sharing the GPU through fractional GPU resources. Named actors in
+namespace `dflash`: `dflash-kvpool-<i>`, `dflash-drafter-<i>`, `dflash-target-<i>`.
+
+Start-up order follows what each needs: the drafter and the target load their weights, the target
+measures the KV budget (on a GPU: what both models left), the pool is built from it, and then the
+target attaches to the pool and attaches the drafter to its step buffers. Every actor restarts
+after a crash (max_restarts=-1) and finds its peers by name; see `target_service.service` for what
+each fault costs a request. Ray carries lifecycle, placement and health only: per step the target
+and the drafter meet on the shared-memory step channel, and the target reaches the pool's block
+manager through gRPC (`kvpool_service.leased_control`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from drafter_service.assembler import DrafterArgs
+from drafter_service.service import DrafterService
+from kvpool_service.service import KVPoolService, PoolInfo
+from target_service.engine_args import EngineArgs, resolve_device
+from target_service.ray_runtime import NAMESPACE, start_ray
+from target_service.sampling_params import SamplingParams
+from target_service.service import GenerationResult, TargetService
+
+logger = logging.getLogger(__name__)
+
+STARTUP_TIMEOUT_S = 600.0
+POOL_WAIT_S = 120.0
+CPUS_PER_ACTOR = 0.25  # the actors mostly wait on each other or the GPU; CI machines have 2 cores
+GPU_SHARE = 0.33  # three actors on one GPU
+
+
+class ServiceFailed(RuntimeError):
+    """A service actor died while serving a call; its in-flight requests failed (Ray restarts it)."""
+
+
+@dataclass(frozen=True)
+class ServiceNames:
+    replica: int
+
+    @property
+    def kvpool(self) -> str:
+        return f"dflash-kvpool-{self.replica}"
+
+    @property
+    def drafter(self) -> str:
+        return f"dflash-drafter-{self.replica}"
+
+    @property
+    def target(self) -> str:
+        return f"dflash-target-{self.replica}"
+
+
+class RayPeers:
+    """`ServicePeers` over Ray: the target's view of its pool and drafter, found by actor name.
+    Picklable (names only), so it travels to the target actor as a constructor argument."""
+
+    def __init__(self, names: ServiceNames):
+        self.names = names
+
+    def _actor(self, name: str, *, wait: bool):
+        import ray
+
+        deadline = time.monotonic() + POOL_WAIT_S
+        while True:
+            try:
+                return ray.get_actor(name, namespace=NAMESPACE)
+            except ValueError:
+                if not wait or time.monotonic() > deadline:
+                    if wait:
+                        raise LookupError(f"no actor {name!r} in namespace {NAMESPACE!r}") from None
+                    return None
+                time.sleep(0.1)
+
+    def pool_info(self, *, wait: bool) -> PoolInfo | None:
+        import ray
+
+        pool = self._actor(self.names.kvpool, wait=wait)
+        return None if pool is None else ray.get(pool.info.remote(), timeout=POOL_WAIT_S)
+
+    def release_pool(self) -> int:
+        import ray
+
+        return ray.get(self._actor(self.names.kvpool, wait=True).release_all.remote(), timeout=POOL_WAIT_S)
+
+    def attach_drafter(self, pool_handle, step_handle, channel_handle):
+        drafter = self._actor(self.names.drafter, wait=True)
+        return drafter.attach.remote(pool_handle, step_handle, channel_handle).future()
+
+
+class RayServices:
+    """One replica's trio: start it (or join a Ray cluster to start it there), call it, stop it."""
+
+    def __init__(self, args: EngineArgs, *, replica: int = 0, address: str | None = None,
+                 pool_host: str = "127.0.0.1", pool_port: int = 0, pool_token: str | None = None,
+                 lease_tokens: int | None = None, target_class: type = TargetService):
+        self.args = args
+        self.names = ServiceNames(replica)
+        self.address = address
+        self.pool_host, self.pool_port, self.pool_token = pool_host, pool_port, pool_token
+        self.lease_tokens = lease_tokens
+        self.target_class = target_class
+        self.device = resolve_device(args.device)
+        self.started_ray = False
+        self.placement = None
+        self.pool = self.drafter = self.target = None
+
+    # ---- lifecycle ----------------------------------------------------------------------------------
+
+    def start(self, timeout_s: float = STARTUP_TIMEOUT_S) -> RayServices:
+        import ray
+        from ray.util.placement_group import placement_group
+
+        self.started_ray = start_ray(self.address)
+        try:
+            bundle = {"CPU": CPUS_PER_ACTOR} | ({"GPU": GPU_SHARE} if self.device.type == "cuda" else {})
+            self.placement = placement_group([bundle] * 3, strategy="STRICT_PACK",
+                                             name=f"dflash-services-{self.names.replica}")
+            ray.get(self.placement.ready(), timeout=timeout_s)
+            self._start_actors(timeout_s)
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def _options(self, name: str, bundle_index: int, **extra) -> dict:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        strategy = PlacementGroupSchedulingStrategy(self.placement, placement_group_bundle_index=bundle_index)
+        gpus = GPU_SHARE if self.device.type == "cuda" else 0
+        return dict(name=name, namespace=NAMESPACE, num_cpus=CPUS_PER_ACTOR, num_gpus=gpus,
+                    max_restarts=-1, scheduling_strategy=strategy, **extra)
+
+    def _start_actors(self, timeout_s: float) -> None:
+        import ray
+
+        args, names = self.args, self.names
+        if args.drafter is not None:
+            drafter_args = DrafterArgs(
+                drafter=args.drafter, target=args.target, dtype=self._dtype(), device=self._device_name(),
+                context_storage=args.context_storage, max_num_seqs=args.max_num_seqs,
+                max_model_len=self._max_model_len(), enforce_eager=args.enforce_eager,
+                cuda_graph_sizes=args.cuda_graph_sizes)
+            self.drafter = ray.remote(DrafterService).options(**self._options(names.drafter, 1)).remote(
+                drafter_args)
+            ray.get(self.drafter.describe.remote(), timeout=timeout_s)  # weights in before the budget
+        extra = {} if self.lease_tokens is None else {"lease_tokens": self.lease_tokens}
+        self.target = ray.remote(self.target_class).options(**self._options(names.target, 2)).remote(
+            args.model_copy(update={"device": self._device_name()}), RayPeers(names),
+            pool_token=self.pool_token, **extra)
+        pool_args = ray.get(self.target.pool_args.remote(), timeout=timeout_s)
+        pool_options = self._options(names.kvpool, 0, max_task_retries=-1)  # its calls are idempotent
+        self.pool = ray.remote(KVPoolService).options(**pool_options).remote(
+            pool_args, host=self.pool_host, port=self.pool_port, token=self.pool_token)
+        ray.get(self.target.start.remote(), timeout=timeout_s)
+        logger.info("services of replica %d up: %s", names.replica, self.pids())
+
+    def _device_name(self) -> str:
+        """Every actor sees its one GPU as cuda:0 (Ray sets CUDA_VISIBLE_DEVICES per actor)."""
+        return "cuda" if self.device.type == "cuda" else "cpu"
+
+    def _dtype(self) -> str | None:
+        from target_service.engine_args import compute_dtype
+
+        return compute_dtype(self.args.dtype, self.device)
+
+    def _max_model_len(self) -> int:
+        from foundation.checkpoint_config import load_target_config
+
+        return self.args.max_model_len or load_target_config(self.args.target).max_position_embeddings
+
+    def close(self) -> None:
+        """Stop the three actors (no restart) and release their placement; stop Ray if we started it."""
+        import ray
+
+        if not ray.is_initialized():
+            return
+        for actor in (self.target, self.drafter, self.pool):
+            if actor is not None:
+                try:
+                    ray.kill(actor, no_restart=True)
+                except Exception as error:  # already gone
+                    logger.debug("kill: %s", error)
+        self.target = self.drafter = self.pool = None
+        if self.placement is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            remove_placement_group(self.placement)
+            self.placement = None
+        if self.started_ray:
+            ray.shutdown()
+            self.started_ray = False
+
+    # ---- requests -----------------------------------------------------------------------------------
+
+    def submit(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None):
+        """Start one request on the target; returns its Ray ObjectRef (ray.cancel aborts it)."""
+        return self.target.generate.remote(list(prompt_token_ids), params, request_id)
+
+    def generate(self, prompts: Sequence[list[int]], params: Sequence[SamplingParams]
+                 ) -> list[GenerationResult]:
+        for ids, p in zip(prompts, params):  # refuse the whole call before anything runs
+            self._ask(self.target.check, list(ids), p)
+        return self._get([self.submit(ids, p) for ids, p in zip(prompts, params)])
+
+    def _ask(self, method, *args):
+        """A call that changes nothing, retried while the target is restarting (up to its start-up)."""
+        from ray.exceptions import ActorUnavailableError
+
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while True:
+            try:
+                return self._get(method.remote(*args))
+            except ServiceFailed as error:
+                if not isinstance(error.__cause__, ActorUnavailableError) or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+
+    def _get(self, refs, timeout: float | None = None):
+        import ray
+        from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+
+        try:
+            return ray.get(refs, timeout=timeout)
+        except (RayActorError, ActorDiedError, ActorUnavailableError) as error:
+            count = len(refs) if isinstance(refs, list) else 1
+            raise ServiceFailed(f"the target service of replica {self.names.replica} died while serving "
+                                f"{count} requests; they failed and Ray is restarting it: retry them"
+                                ) from error
+        except ray.exceptions.RayTaskError as error:  # the request itself was refused: its own error
+            raise error.as_instanceof_cause() from None
+
+    # ---- observing ----------------------------------------------------------------------------------
+
+    def stats(self):
+        return self._ask(self.target.stats)
+
+    def describe(self) -> dict:
+        return self._ask(self.target.describe)
+
+    def pool_info(self) -> PoolInfo:
+        import ray
+
+        return ray.get(self.pool.info.remote(), timeout=POOL_WAIT_S)
+
+    def pool_stats(self):
+        import ray
+
+        return ray.get(self.pool.stats.remote(), timeout=POOL_WAIT_S)
+
+    def pids(self) -> dict[str, int]:
+        import ray
+
+        pids = {"kvpool": self.pool_info().pid, "target": self.describe()["pid"]}
+        if self.drafter is not None:
+            pids["drafter"] = ray.get(self.drafter.describe.remote(), timeout=POOL_WAIT_S)["pid"]
+        return pids

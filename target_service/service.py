@@ -1,0 +1,220 @@
+"""TargetService: the target service in a process of its own (a Ray actor beside the pool and drafter).
+
+It loads the target, maps the pool by handle, reaches the block manager only over gRPC (batched, and
+leased ahead so most steps make no blocking call), creates the step buffers and the step channel the
+drafter maps, and drives the drafter over that channel. Requests come in through `generate`, an
+async method (Ray runs it on the actor's event loop) over an `AsyncEngine`: the step loop runs in its
+own thread and a cancelled call aborts its request, which frees its pages.
+
+Peers are found through a `ServicePeers` (the Ray layer implements it by actor name), so this class
+knows nothing of Ray. Faults it survives:
+- the drafter dies: the step channel sees its pid vanish, the engine goes on without speculation and
+  the drafter is attached again when Ray has restarted it (`DrafterLink`);
+- the pool dies: the first failed control call finds the restarted pool, the engine moves onto it and
+  recomputes its running sequences (`PoolFailover`);
+- this process dies: Ray restarts it; finding the pool up, it starts at once and first releases the
+  sequences its previous incarnation left open.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from drafter_service.channel_control import ChannelDraftControl
+from foundation.step_channel import StepChannel
+from kvpool_service.assembler import PoolArgs
+from kvpool_service.errors import PoolError
+from kvpool_service.leased_control import LeasedPoolControl
+from kvpool_service.service import PoolInfo
+from kvpool_service.traffic import MeteredKVPoolClient
+from target_service.assembler import TargetAssembler
+from target_service.async_engine import AsyncEngine, EngineDead
+from target_service.draft_link import DrafterLink
+from target_service.engine_args import EngineArgs
+from target_service.outputs import SpecDecodeStats
+from target_service.pool_failover import PoolFailover
+from target_service.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_LEASE_TOKENS = 128  # capacity reserved ahead per sequence: one reserve RPC per 128 tokens
+ATTACH_TIMEOUT_S = 300.0
+
+
+class ServicePeers(Protocol):
+    """How the target finds and asks the other two services (by actor name, under Ray)."""
+
+    def pool_info(self, *, wait: bool) -> PoolInfo | None:
+        """The pool's current incarnation; None when it was never started and wait is False."""
+        ...
+
+    def release_pool(self) -> int:
+        """Close every sequence open in the pool (left by a previous incarnation of this service)."""
+        ...
+
+    def attach_drafter(self, pool_handle, step_handle, channel_handle):
+        """Ask the drafter to serve these handles; returns a concurrent.futures.Future of its pid."""
+        ...
+
+
+@dataclass
+class GenerationResult:
+    """One finished request, as the offline API rebuilds its RequestOutput from it."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    num_prompt_tokens: int
+    spec_decode: SpecDecodeStats = field(default_factory=SpecDecodeStats)
+
+
+class TargetService:
+    def __init__(self, args: EngineArgs, peers: ServicePeers, *, pool_token: str | None = None,
+                 lease_tokens: int = DEFAULT_LEASE_TOKENS, max_waiting: int = 256):
+        self.args = args
+        self.peers = peers
+        self.pool_token = pool_token
+        self.lease_tokens = lease_tokens
+        self.max_waiting = max_waiting
+        self.assembler = TargetAssembler(args).load()
+        self.engine: PoolFailover | None = None
+        self.async_engine: AsyncEngine | None = None
+        self.link: DrafterLink | None = None
+        self.control: LeasedPoolControl | None = None
+        self.channel: StepChannel | None = None
+        self.pool: PoolInfo | None = None
+        if peers.pool_info(wait=False) is not None:  # restarted by Ray: the pool is already up
+            self.start()
+
+    # ---- assembly ---------------------------------------------------------------------------------
+
+    def pool_args(self) -> PoolArgs:
+        """What the pool service is built from: this pair's groups and the KV budget measured here."""
+        target, args = self.assembler, self.args
+        return PoolArgs(spec=target.pool_spec(), budget_bytes=target.kv_budget(),
+                        context_storage=args.context_storage, max_num_seqs=args.max_num_seqs,
+                        max_model_len=target.max_model_len, enable_prefix_caching=args.enable_prefix_caching,
+                        device=str(target.device), share=True)
+
+    def start(self) -> int:
+        """Attach to the pool and the drafter and start serving; returns this process's pid."""
+        if self.engine is not None:
+            return os.getpid()
+        self.pool = self.peers.pool_info(wait=True)
+        released = self.peers.release_pool()
+        if released:
+            logger.warning("released %d sequences a previous target left open in the pool", released)
+        self.control = self._control(self.pool)
+        buffers = self.assembler.create_step_buffers(share=True)
+        if buffers is not None:
+            self.channel = StepChannel.create(device=str(self.assembler.device))
+            block_size = self.assembler.drafter_config.block_size
+            self.link = DrafterLink(ChannelDraftControl(self.channel, block_size), self._reattach_drafter,
+                                    block_size=block_size)
+            self._reattach_drafter().result(ATTACH_TIMEOUT_S)
+        engine = self.assembler.build(self.control, self.pool.handle, self.link)
+        self.engine = PoolFailover(engine, self._recover_pool)
+        self._serve()
+        logger.info("target service (pid %d) serving on pool epoch %d", os.getpid(), self.pool.epoch)
+        return os.getpid()
+
+    def _serve(self) -> None:
+        self.async_engine = AsyncEngine(self.engine, max_waiting=self.max_waiting)
+
+    def _control(self, pool: PoolInfo) -> LeasedPoolControl:
+        client = MeteredKVPoolClient(pool.address, token=self.pool_token)
+        client.connect()
+        return LeasedPoolControl(client, lease_tokens=self.lease_tokens)
+
+    def _drop_control(self) -> None:
+        """Let go of the control of a pool that is gone: its queued calls are moot."""
+        try:
+            self.control.forget()
+            self.control.shutdown()
+        except PoolError as error:
+            logger.info("dropping the old pool's control: %s", error)
+        self.control.inner.shutdown()
+
+    def _reattach_drafter(self):
+        buffers = self.assembler.buffers.export()
+        return self.peers.attach_drafter(self.pool.handle, buffers, self.channel.export())
+
+    def _recover_pool(self, error: Exception) -> None:
+        """The pool went away: move onto its next incarnation (or re-raise when it did not restart)."""
+        pool = self.peers.pool_info(wait=True)
+        if pool.epoch == self.pool.epoch:
+            raise error
+        self._drop_control()
+        self.pool, self.control = pool, self._control(pool)
+        requeued = self.assembler.rebind(self.engine.engine, self.control, pool.handle)
+        if self.link is not None:  # the drafter's context lives in the new pool's spec layers now
+            self._reattach_drafter().result(ATTACH_TIMEOUT_S)
+            self.link.available = True
+        logger.warning("moved onto the restarted pool (epoch %d): %d sequences are being recomputed",
+                       pool.epoch, len(requeued))
+
+    # ---- requests -----------------------------------------------------------------------------------
+
+    async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
+                       request_id: str | None = None) -> GenerationResult:
+        """Run one request to completion; cancelling the call aborts it (its pages are freed)."""
+        if self.async_engine is None:
+            raise EngineDead("the target service has not started: its pool is not up yet")
+        token_ids, text, last = [], [], None
+        async for delta in self.async_engine.generate(prompt_token_ids, params, request_id):
+            token_ids += delta.token_ids
+            text.append(delta.text)
+            last = delta
+        return GenerationResult(last.request_id, token_ids, "".join(text), last.finish_reason,
+                                last.num_prompt_tokens, last.spec_decode or SpecDecodeStats())
+
+    def check(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Refuse (ValueError) a request that could never run, before anything runs."""
+        self._started_engine().check_prompt(prompt_token_ids, params)
+
+    def _started_engine(self):
+        if self.engine is None:
+            raise EngineDead("the target service has not started: its pool is not up yet")
+        return self.engine
+
+    # ---- observing ----------------------------------------------------------------------------------
+
+    def stats(self) -> SpecDecodeStats:
+        return self._started_engine().stats.copy()
+
+    def describe(self) -> dict:
+        """Who this is and how its links fared: the pid, pool epoch, drafter faults, control traffic."""
+        link = self.link
+        return {
+            "pid": os.getpid(),
+            "pool_epoch": self.pool.epoch if self.pool else None,
+            "pool_recoveries": self.engine.num_recoveries if self.engine else 0,
+            "drafter_available": link.available if link else None,
+            "drafter_failures": link.num_failures if link else 0,
+            "drafter_reattached": link.num_reattached if link else 0,
+            "running": len(self.engine.scheduler.running) if self.engine else 0,
+            "preemptions": self.engine.scheduler.num_preemptions if self.engine else 0,
+            "waiting": len(self.engine.scheduler.waiting) if self.engine else 0,
+            "lease": self.control_stats() if self.control else None,
+        }
+
+    def control_stats(self) -> dict:
+        """The control plane's traffic so far: RPCs the step waited for, those sent behind it, bytes."""
+        lease = self.control.lease_stats
+        return {"reserves_total": lease.reserves_total,
+                "reserves_answered_locally": lease.reserves_answered_locally,
+                "blocking_rpcs": lease.blocking_rpcs, "blocking_s": lease.blocking_s, "drains": lease.drains,
+                "async_rpcs": lease.async_rpcs, **self.control.inner.traffic_totals()}
+
+    def close(self) -> None:
+        if self.async_engine is not None:
+            self.async_engine.shutdown()
+        if self.control is not None:
+            self._drop_control()
+        if self.channel is not None:
+            self.channel.close()
+        self.assembler.close()

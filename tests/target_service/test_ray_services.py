@@ -1,0 +1,277 @@
+"""The three services as Ray actors (`LLM(services="ray")`): equal to the in-process engine, in three
+processes mapping one pool, and surviving the death of each.
+
+One local Ray (loopback) for the module; every test starts its own trio under its own replica index
+(actor names are per replica) and kills it at the end. References come from the in-process engine
+over the same checkpoints, in this process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from engine_helpers import make_pair, random_prompts
+
+from target_service.llm import LLM
+from target_service.sampling_params import SamplingParams
+
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray"), pytest.mark.usefixtures("ray_machine")]
+VOCAB = 160
+SETTINGS = dict(device="cpu", dtype="float32", kv_cache_memory="2MiB", tokens_per_block=16, max_num_seqs=6,
+                max_model_len=256)
+WAIT_S = 120
+
+
+@pytest.fixture(scope="module")
+def ray_local(ray_machine):
+    import ray
+
+    from target_service.ray_runtime import start_ray
+
+    started = start_ray(None, num_cpus=4)
+    yield ray
+    if started:
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    return make_pair(tmp_path_factory.mktemp("pair"))
+
+
+_replicas = iter(range(100))
+
+
+def start_trio(target, drafter, **settings):
+    from target_service.engine_args import EngineArgs
+    from target_service.ray_services import RayServices
+
+    args = EngineArgs(target=str(target), drafter=None if drafter is None else str(drafter), **settings)
+    return RayServices(args, replica=next(_replicas)).start()
+
+
+def reference(target, drafter, prompts, params, **settings) -> list[list[int]]:
+    return reference_with_stats(target, drafter, prompts, params, **settings)[0]
+
+
+def reference_with_stats(target, drafter, prompts, params, **settings):
+    """The in-process engine's outputs and its speculative counters, over the same checkpoints."""
+    llm = LLM(None if target is None else str(target), None if drafter is None else str(drafter), **settings)
+    try:
+        return [out.outputs[0].token_ids for out in llm.generate(prompts, params)], llm.stats.copy()
+    finally:
+        llm.close()
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+
+
+def wait_for(condition, what: str, timeout: float = WAIT_S):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.mark.parametrize("storage,k", [("paged", 7), ("dense", 1)])
+def test_ray_services_equal_the_in_process_engine_token_for_token(ray_local, storage, k):
+    """The demo pair (a trained drafter, so drafts are accepted): outputs AND the speculative counters
+    must equal the in-process engine's, so the drafter actor read the same context the in-process
+    drafter would have (greedy outputs alone are lossless whatever the drafts)."""
+    from target_service.demo import resolve_pair
+
+    target, drafter = resolve_pair(None, None)
+    settings = dict(SETTINGS, context_storage=storage, num_speculative_tokens=k, kv_cache_memory="16MiB",
+                    max_model_len=512)
+    text = ["def parse_args(argv):\n    parser = ", "class Stack:\n    def __init__(self):",
+            "import os\nimport sys\n\n\ndef main():", "for i in range(10):", "# Read the file\nwith open("]
+    shared = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n    if n < 2:"
+    batches = [text[:1], text, [shared], [shared + "\n        return n"]]  # the last: a prefix hit
+    llm = LLM(target, drafter, services="ray", **settings)
+    try:
+        assert llm.engine is None and llm.services == "ray"
+        for prompts in batches:
+            outputs = llm.generate(prompts, greedy(32))
+            expected, expected_stats = reference_with_stats(target, drafter, prompts, greedy(32), **settings)
+            assert [out.outputs[0].token_ids for out in outputs] == expected
+            assert [sum(out.spec_decode.num_accepted_tokens for out in outputs)] == [
+                expected_stats.num_accepted_tokens]
+        stats = llm.stats
+        assert 2 * stats.num_accepted_tokens > stats.num_drafts  # a trained drafter: its drafts are accepted
+        usage = llm.assembly.pool_stats()
+        assert usage.num_used_blocks == 0 and usage.num_seqs == 0
+        if storage == "paged":
+            assert usage.prefix_cache_hits > 0
+        lease = llm.assembly.describe()["lease"]
+        assert lease["reserves_answered_locally"] > 0  # leasing kept steps off the control plane
+    finally:
+        llm.close()
+
+
+def test_preemption_under_a_small_pool_stays_equal(ray_local, pair):
+    target, drafter = pair
+    settings = dict(SETTINGS, kv_cache_memory="400KiB", num_speculative_tokens=7)
+    prompts = random_prompts(6, VOCAB, low=30, high=60)
+    expected = reference(target, drafter, prompts, greedy(40), **settings)
+    services = start_trio(target, drafter, **settings)
+    try:
+        results = services.generate(prompts, [greedy(40)] * len(prompts))
+        assert [r.token_ids for r in results] == expected
+        assert services.describe()["preemptions"] > 0
+        assert services.pool_stats().num_used_blocks == 0
+    finally:
+        services.close()
+
+
+def test_three_processes_map_one_pool(ray_local, pair):
+    target, drafter = pair
+    services = start_trio(target, drafter, **SETTINGS)
+    try:
+        pids = services.pids()
+        assert len({*pids.values(), os.getpid()}) == 4, pids
+        shm_path = services.pool_info().handle.shm_path
+        assert shm_path and Path(shm_path).exists()
+        for name, pid in pids.items():  # the pool's /dev/shm file is mapped in each of the three
+            maps = Path(f"/proc/{pid}/maps").read_text()
+            assert shm_path in maps, f"{name} (pid {pid}) does not map {shm_path}"
+    finally:
+        services.close()
+
+
+def _kill(pid: int) -> None:
+    os.kill(pid, signal.SIGKILL)
+
+
+def _running(services) -> bool:
+    return services.describe()["running"] > 0
+
+
+def test_drafter_death_keeps_requests_lossless_and_speculation_resumes(ray_local, pair):
+    target, drafter = pair
+    settings = dict(SETTINGS, num_speculative_tokens=7)
+    prompts = random_prompts(4, VOCAB)
+    expected = reference(target, drafter, prompts, greedy(120), **settings)
+    services = start_trio(target, drafter, **settings)
+    try:
+        refs = [services.submit(p, greedy(120)) for p in prompts]
+        wait_for(lambda: _running(services), "requests to run")
+        _kill(services.pids()["drafter"])
+        results = services._get(refs, timeout=WAIT_S)
+        assert [r.token_ids for r in results] == expected
+        state = services.describe()
+        assert state["drafter_failures"] >= 1
+        before = services.stats().num_drafts
+        more = random_prompts(2, VOCAB)
+        wait_for(lambda: services.generate(more, [greedy(16)] * 2) and services.stats().num_drafts > before,
+                 "speculation to resume")
+        assert services.describe()["drafter_reattached"] >= 1
+        assert services.pool_stats().num_used_blocks == 0
+    finally:
+        services.close()
+
+
+def test_pool_death_recomputes_into_the_restarted_pool(ray_local, pair):
+    target, drafter = pair
+    settings = dict(SETTINGS, num_speculative_tokens=7)
+    prompts = random_prompts(4, VOCAB)
+    expected = reference(target, drafter, prompts, greedy(120), **settings)
+    services = start_trio(target, drafter, **settings)
+    try:
+        epoch = services.pool_info().epoch
+        refs = [services.submit(p, greedy(120)) for p in prompts]
+        wait_for(lambda: _running(services), "requests to run")
+        _kill(services.pool_info().pid)
+        results = services._get(refs, timeout=WAIT_S)
+        assert [r.token_ids for r in results] == expected
+        state = services.describe()
+        assert state["pool_recoveries"] >= 1 and state["pool_epoch"] != epoch
+        assert services.pool_info().epoch == state["pool_epoch"]
+        assert services.pool_stats().num_used_blocks == 0
+    finally:
+        services.close()
+
+
+def test_target_death_fails_its_requests_clearly_and_the_restart_serves(ray_local, pair):
+    from target_service.ray_services import ServiceFailed
+
+    target, drafter = pair
+    settings = dict(SETTINGS, num_speculative_tokens=7)
+    prompts = random_prompts(3, VOCAB)
+    expected = reference(target, drafter, prompts, greedy(16), **settings)
+    services = start_trio(target, drafter, **settings)
+    try:
+        refs = [services.submit(p, greedy(200)) for p in random_prompts(4, VOCAB)]
+        wait_for(lambda: _running(services), "requests to run")
+        _kill(services.describe()["pid"])
+        with pytest.raises(ServiceFailed, match=r"target service of replica \d+ died"):
+            services._get(refs, timeout=WAIT_S)
+        results = services.generate(prompts, [greedy(16)] * len(prompts))  # the restarted target
+        assert [r.token_ids for r in results] == expected
+        assert services.pool_stats().num_used_blocks == 0  # the dead target's sequences were released
+    finally:
+        services.close()
+
+
+def test_cancelled_requests_leave_no_page_in_use(ray_local, pair):
+    import ray
+
+    target, drafter = pair
+    services = start_trio(target, drafter, **SETTINGS)
+    try:
+        refs = [services.submit(p, greedy(150)) for p in random_prompts(12, VOCAB)]
+        wait_for(lambda: _running(services), "requests to run")
+        cancelled = refs[::2]
+        for ref in cancelled:
+            ray.cancel(ref)
+        for ref in refs[1::2]:
+            assert len(services._get(ref, timeout=WAIT_S).token_ids) == 150
+        wait_for(lambda: services.describe()["running"] == 0, "the engine to go idle")
+        usage = services.pool_stats()
+        assert usage.num_used_blocks == 0 and usage.num_seqs == 0
+    finally:
+        services.close()
+
+
+def test_admin_stats_and_health_answer_on_the_pool_actors_port(ray_local, pair, capsys):
+    from dflash_cli.main import main
+
+    target, _ = pair
+    services = start_trio(target, None, **SETTINGS)
+    try:
+        services.generate([random_prompts(1, VOCAB)[0]], [greedy(4)])
+        address = services.pool_info().address
+        assert main(["admin", "stats", "--address", address, "--json"]) == 0
+        stats = json.loads(capsys.readouterr().out)
+        usage = services.pool_stats()
+        assert stats["epoch"] == services.pool_info().epoch
+        assert sum(g["num_blocks"] for g in stats["groups"]) >= usage.num_blocks
+        assert stats["num_seqs"] == usage.num_seqs == 0
+        assert main(["admin", "health", "--address", address]) == 0
+        assert "SERVING" in capsys.readouterr().out
+    finally:
+        services.close()
+
+
+def test_ray_services_refuse_bad_input_with_one_line_errors(ray_local, pair):
+    target, drafter = pair
+    with pytest.raises(ValueError, match="services must be 'inprocess' or 'ray'"):
+        LLM(str(target), str(drafter), services="grpc", **SETTINGS)
+    services = start_trio(target, drafter, **SETTINGS)
+    try:
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            services.generate([[VOCAB + 5]], [greedy(4)])
+        assert services.describe()["running"] == 0  # nothing was admitted
+        prompt = torch.randint(3, VOCAB, (20,)).tolist()
+        assert len(services.generate([prompt], [greedy(5)])[0].token_ids) == 5
+    finally:
+        services.close()
