@@ -1,0 +1,278 @@
+"""StepChannel between two processes: answers match a local reference, errors come back as text, a
+killed server is noticed promptly, its successor resumes, and bad handles fail in one line.
+
+The server runs in a spawned process (as a Ray actor would: no inherited pipe, only the pickled
+handle); its handler computes things this process checks: sums of the args, and an affine map of a
+shared buffer written here (the step buffers' pattern: data in shared memory, only counts in the call).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import pickle
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+from foundation.shared_buffer import OwnedBuffer, map_buffer
+from foundation.step_channel import (
+    MAX_ARGS,
+    MESSAGE_BYTES,
+    NBYTES,
+    PeerGone,
+    RemoteError,
+    StepChannel,
+    StepChannelHandle,
+)
+
+SPAWN = multiprocessing.get_context("spawn")
+START_TIMEOUT_S = 60  # a spawned child imports torch; two cores, maybe another test worker beside
+ADD, AFFINE, FAIL, SLEEP, PID, AFFINE_LATE = 1, 2, 3, 4, 5, 6
+SLEEP_RESULT = 777
+N = 64  # int64 elements of each half of the shared buffer: x (written here), y (written by the server)
+GPU_SLEEP_CYCLES = 20_000_000  # ~10 ms at 2 GHz: far longer than a round trip on the host
+
+
+def _handler(data: torch.Tensor):
+    x, y = data[:N], data[N:]
+
+    def handle(opcode: int, args: tuple[int, ...]) -> int | None:
+        if opcode == ADD:
+            return sum(args)
+        if opcode == AFFINE:  # y[:n] = x[:n] * a + b; returns the sum as a second check
+            n, a, b = args
+            torch.add(x[:n] * a, b, out=y[:n])
+            return int(y[:n].sum())
+        if opcode == AFFINE_LATE:  # the same on a GPU, queued behind a sleep, no host sync
+            n, a, b = args
+            torch.cuda._sleep(GPU_SLEEP_CYCLES)
+            torch.add(x[:n] * a, b, out=y[:n])
+            return None
+        if opcode == FAIL:
+            raise ValueError(f"refused {args[0]} " + "é" * args[1])
+        if opcode == SLEEP:
+            time.sleep(args[0] / 1000)
+            return SLEEP_RESULT
+        if opcode == PID:
+            return os.getpid()
+        raise KeyError(opcode)
+
+    return handle
+
+
+def _serve(channel_handle, buffer_handle, stop) -> None:
+    data = map_buffer(buffer_handle).view(torch.int64)
+    if data.is_cuda:
+        torch.cuda.set_device(data.device)
+    channel = StepChannel.attach(channel_handle)
+    channel.serve_forever(_handler(data), stop.is_set)
+    channel.close()
+
+
+class Served:
+    """The caller's channel, the shared buffer, and the server processes started on it (newest last)."""
+
+    def __init__(self, device: str = "cpu"):
+        self.channel = StepChannel.create(device=device)
+        name = f"dflash-step-test-{os.getpid()}-{os.urandom(4).hex()}"
+        self.buffer = OwnedBuffer.allocate(2 * N * 8, device, share=True, file_name=name, sweep_stale=False)
+        data = self.buffer.tensor.view(torch.int64)
+        self.x, self.y = data[:N], data[N:]
+        self.stop = SPAWN.Event()
+        self.processes = []
+
+    def start_server(self, after_epoch: int = 0) -> multiprocessing.Process:
+        process = SPAWN.Process(target=_serve, args=(self.channel.export(), self.buffer.export(), self.stop))
+        process.start()
+        self.processes.append(process)
+        self.channel.wait_for_server(START_TIMEOUT_S, after_epoch=after_epoch)
+        return process
+
+    def close(self) -> None:
+        self.stop.set()
+        for process in self.processes:
+            process.join(10)
+            if process.is_alive():
+                process.kill()
+                process.join()
+        self.channel.close()
+        if self.buffer.file is not None:
+            self.buffer.file.remove()
+
+
+@pytest.fixture
+def served():
+    served = Served()
+    served.start_server()
+    yield served
+    served.close()
+
+
+@pytest.mark.slow
+def test_opcodes_and_args_reach_the_server_and_its_answers_match_a_local_reference(served):
+    channel = served.channel
+    assert channel.call(PID) == served.processes[0].pid == channel.server_pid
+    assert channel.epoch == 1 and channel.caller_pid == os.getpid()
+    for _ in range(300):
+        args = torch.randint(-2**40, 2**40, (int(torch.randint(0, MAX_ARGS + 1, ())),)).tolist()
+        assert channel.call(ADD, *args) == sum(args)
+    for _ in range(100):  # data through shared memory, counts through the channel
+        n, a, b = int(torch.randint(1, N + 1, ())), *torch.randint(-1000, 1000, (2,)).tolist()
+        x = torch.randint(-10**6, 10**6, (n,))
+        served.x[:n] = x
+        total = channel.call(AFFINE, n, a, b)
+        assert torch.equal(served.y[:n], x * a + b) and total == int((x * a + b).sum())
+
+
+@pytest.mark.slow
+def test_a_handler_error_arrives_as_remote_error_text_and_the_channel_keeps_serving(served):
+    channel = served.channel
+    value = int(torch.randint(0, 10**6, ()))
+    with pytest.raises(RemoteError, match=f"opcode {FAIL}: ValueError: refused {value} é") as error:
+        channel.call(FAIL, value, 1000)  # 2000 bytes of message: cut to the text area, whole characters
+    text = str(error.value).split(": ", 1)[1]
+    assert len(text.encode()) <= MESSAGE_BYTES and "\ufffd" not in text and text.endswith("é")
+    assert f"pid {served.processes[0].pid}" in str(error.value)
+    with pytest.raises(RemoteError, match="KeyError: 99"):
+        channel.call(99)
+    args = torch.randint(-1000, 1000, (3,)).tolist()
+    assert channel.call(ADD, *args) == sum(args)
+
+
+@pytest.mark.slow
+def test_a_killed_server_is_peer_gone_within_a_second_and_a_new_server_resumes_the_channel(served):
+    channel, first = served.channel, served.processes[0]
+    killed_at = []
+
+    def kill():
+        killed_at.append(time.monotonic())
+        os.kill(first.pid, signal.SIGKILL)
+
+    threading.Timer(0.3, kill).start()
+    with pytest.raises(PeerGone, match=f"pid {first.pid} is gone") as gone:
+        channel.call(SLEEP, 60_000, timeout_s=10)  # the server dies while this call waits on it
+    assert time.monotonic() - killed_at[0] < 1.0
+    assert gone.value.epoch == 1 and "\n" not in str(gone.value)
+    served.x[:] = torch.randint(1, 1000, (N,))
+    with pytest.raises(PeerGone, match="is gone"):
+        channel.call(AFFINE, N, 3, 1, timeout_s=10)  # nobody serves until a successor attaches
+
+    second = served.start_server(after_epoch=gone.value.epoch)
+    assert channel.epoch == 2 and channel.server_pid == second.pid != first.pid
+    assert channel.call(PID) == second.pid
+    args = torch.randint(-1000, 1000, (MAX_ARGS,)).tolist()
+    assert channel.call(ADD, *args) == sum(args)
+    assert not served.y.any()  # the call abandoned with PeerGone was not run by the successor
+
+
+@pytest.mark.slow
+def test_a_call_times_out_and_the_late_answer_is_not_taken_for_the_next_call(served):
+    channel = served.channel
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match=f"did not answer opcode {SLEEP} within 0.2 s"):
+        channel.call(SLEEP, 800, timeout_s=0.2)
+    assert 0.2 <= time.monotonic() - start < 0.7
+    args = torch.randint(-1000, 1000, (2,)).tolist()
+    assert channel.call(ADD, *args) == sum(args) != SLEEP_RESULT  # served after the sleep ends
+
+
+def test_without_a_server_a_call_is_peer_gone_at_once_and_waiting_times_out():
+    channel = StepChannel.create()
+    try:
+        start = time.monotonic()
+        with pytest.raises(PeerGone, match="no server has attached"):
+            channel.call(ADD, 1)
+        with pytest.raises(TimeoutError, match="no server attached"):
+            channel.wait_for_server(0.05)
+        assert time.monotonic() - start < 0.5
+    finally:
+        channel.close()
+
+
+def test_one_live_server_at_a_time_and_each_attach_bumps_the_epoch():
+    channel = StepChannel.create()
+    handle = pickle.loads(pickle.dumps(channel.export()))
+    assert handle == channel.export() and handle.events is None and handle.nbytes == NBYTES
+    first = StepChannel.attach(handle)
+    try:
+        with pytest.raises(RuntimeError, match=f"already has a live server \\(pid {os.getpid()}\\)"):
+            StepChannel.attach(handle)
+        assert channel.epoch == 1
+        first.close()
+        assert channel.server_pid == 0
+        second = StepChannel.attach(handle)
+        assert channel.epoch == 2 and channel.wait_for_server(1, after_epoch=1) == 2
+        second.close()
+    finally:
+        channel.close()
+
+
+def test_a_server_whose_owner_closed_is_peer_gone_instead_of_waiting():
+    channel = StepChannel.create()
+    server = StepChannel.attach(channel.export())
+    owner_pid = channel.caller_pid
+    channel.close()
+    start = time.monotonic()
+    with pytest.raises(PeerGone, match=f"owner pid {owner_pid} is gone"):
+        server.serve_one(lambda opcode, args: 0, timeout_s=5)
+    assert time.monotonic() - start < 0.5
+    server.close()
+    with pytest.raises(FileNotFoundError):
+        StepChannel.attach(StepChannelHandle(str(channel.path), NBYTES))
+
+
+def test_bad_handles_fail_with_one_line_that_names_the_problem(tmp_path):
+    cases = [
+        (StepChannelHandle("/dev/shm/dflash-channel-missing-0", NBYTES), FileNotFoundError, "does not exist"),
+        (StepChannelHandle(str(tmp_path / "channel"), NBYTES - 8), ValueError, f"a step channel is {NBYTES}"),
+        (StepChannelHandle(str(tmp_path / "short"), NBYTES), ValueError, "holds 100 bytes"),
+        (StepChannelHandle(str(tmp_path / "zeros"), NBYTES), ValueError, "not a step channel file"),
+        ("/dev/shm/some-file", TypeError, "must be a StepChannelHandle"),
+    ]
+    (tmp_path / "short").write_bytes(b"\0" * 100)
+    (tmp_path / "zeros").write_bytes(b"\0" * NBYTES)
+    for handle, kind, words in cases:
+        with pytest.raises(kind, match=words) as error:
+            StepChannel.attach(handle)
+        assert "\n" not in str(error.value)
+
+
+def test_calls_refuse_what_the_words_cannot_carry():
+    channel = StepChannel.create()
+    server = StepChannel.attach(channel.export())
+    try:
+        with pytest.raises(ValueError, match=f"at most {MAX_ARGS} ints"):
+            channel.call(ADD, *range(MAX_ARGS + 1))
+        with pytest.raises(ValueError, match="must fit int64"):
+            channel.call(ADD, 2**63)
+        with pytest.raises(RuntimeError, match="attached side serves"):
+            server.call(ADD)
+        with pytest.raises(RuntimeError, match="serve from the attached side"):
+            channel.serve_one(lambda opcode, args: 0, timeout_s=0)
+    finally:
+        server.close()
+        channel.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_cuda_events_order_the_callers_writes_before_the_servers_kernels_and_back():
+    """Both sides queue their writes behind a GPU sleep and never synchronise the host: only the
+    IPC events can make the server read this step's x and this process read this step's y."""
+    served = Served("cuda")
+    try:
+        assert served.channel.export().events is not None
+        served.start_server()
+        for _ in range(10):
+            n, a, b = int(torch.randint(1, N + 1, ())), *torch.randint(-1000, 1000, (2,)).tolist()
+            x = torch.randint(-10**6, 10**6, (n,), device="cuda")
+            torch.cuda._sleep(GPU_SLEEP_CYCLES)
+            served.x[:n].copy_(x)  # queued behind the sleep on this stream
+            assert served.channel.call(AFFINE_LATE, n, a, b) == 0
+            assert torch.equal(served.y[:n].cpu(), (x * a + b).cpu())  # this stream waits on the server
+    finally:
+        served.close()
