@@ -11,6 +11,16 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
     .devray/*.whl .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD RAY_USAGE_STATS_ENABLED=0 RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 \
     RAY_AUTH_MODE=disabled PYTHONUNBUFFERED=1
+cp bench/device_sitecustomize.py /tmp/site/sitecustomize.py  # INFO logs and stack dumps in every process
 python3 -c 'import ray, grpc, pydantic, torch; print("ray", ray.__version__, "torch", torch.__version__)'
-timeout 500 python3 -m bench.bench_services_split --steps 16 --rounds 3 --batch-sizes 1 32 --context 2048 \
-    --out "$OUT" --name services_split_h200 "$@" 2>&1 | grep -v "^\s*$" | tail -80
+LIMIT=${LIMIT:-440}
+python3 -m bench.bench_services_split --steps 16 --rounds 3 --batch-sizes 1 32 --context 2048 \
+    --out "$OUT" --name services_split_h200 "$@" > "$OUT/services_split.log" 2>&1 &
+BENCH=$!
+for _ in $(seq "$LIMIT"); do kill -0 $BENCH 2> /dev/null || break; sleep 1; done
+if kill -0 $BENCH 2> /dev/null; then  # stuck: every process's Python stacks into the logs, then stop
+    pkill -USR1 -f "ray::" ; kill -USR1 $BENCH; sleep 3; kill $BENCH
+    tail -n 60 /tmp/ray/session_latest/logs/worker-*.err > "$OUT/ray_workers.txt" 2>&1
+fi
+wait $BENCH
+tail -n 40 "$OUT/services_split.log"

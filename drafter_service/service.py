@@ -67,13 +67,16 @@ class DrafterService:
         self.assembler.close()
 
     def _serve(self, worker, channel: StepChannel, stop: threading.Event) -> None:
-        if torch.device(self.args.device).type == "cuda":
-            torch.cuda.set_device(torch.device(self.args.device))
         try:
+            device = torch.device(self.args.device)
+            if device.type == "cuda":  # set_device needs an index; "cuda" alone means the current one
+                index = device.index if device.index is not None else torch.cuda.current_device()
+                torch.cuda.set_device(index)
             serve_draft_worker(worker, channel, stop.is_set)
-        except BaseException as error:  # the target sees the silence as a dead peer
+        except BaseException as error:
             logger.exception("the drafter's channel loop stopped")
             self._error = error
+            channel.close()  # the target sees the channel closed (PeerGone) instead of waiting on it
 
     def _detach(self) -> None:
         if self._thread is not None:

@@ -42,6 +42,8 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_LEASE_TOKENS = 128  # capacity reserved ahead per sequence: one reserve RPC per 128 tokens
 ATTACH_TIMEOUT_S = 300.0
+DRAFT_CALL_TIMEOUT_S = 120.0  # a drafter alive but silent this long is treated as gone (the first
+# propose may JIT-compile kernels for seconds)
 
 
 class ServicePeers(Protocol):
@@ -113,8 +115,8 @@ class TargetService:
         if buffers is not None:
             self.channel = StepChannel.create(device=str(self.assembler.device))
             block_size = self.assembler.drafter_config.block_size
-            self.link = DrafterLink(ChannelDraftControl(self.channel, block_size), self._reattach_drafter,
-                                    block_size=block_size)
+            control = ChannelDraftControl(self.channel, block_size, timeout_s=DRAFT_CALL_TIMEOUT_S)
+            self.link = DrafterLink(control, self._reattach_drafter, block_size=block_size)
             self._reattach_drafter().result(ATTACH_TIMEOUT_S)
         engine = self.assembler.build(self.control, self.pool.handle, self.link)
         self.engine = PoolFailover(engine, self._recover_pool)
