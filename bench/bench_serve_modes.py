@@ -149,16 +149,24 @@ async def _measure(url: str, levels, warmup, options: argparse.Namespace) -> dic
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(timeout=options.timeout, limits=limits) as client:
         endpoint = await resolve_model(client, Endpoint(url + "/v1"))
-        bodies = [request_body(endpoint.model, prompt, options.warmup_tokens, True) for prompt in warmup]
-        warm = await run_at_concurrency(lambda body: send_request(client, endpoint, body), bodies,
-                                        len(bodies))
-        if any(not result.ok for result in warm):
-            raise RuntimeError(f"warm-up failed: {sorted({r.error for r in warm if not r.ok})}")
+        warm_bodies = [request_body(endpoint.model, prompt, options.warmup_tokens, True) for prompt in warmup]
+
+        async def warm_up(concurrency: int) -> None:
+            """Requests of the measured length at this concurrency, so the first steps of a batch shape
+            (kernel compiles, split planning) fall outside the measurement."""
+            bodies = (warm_bodies * (1 + concurrency // max(1, len(warm_bodies))))[:concurrency]
+            warm = await run_at_concurrency(lambda body: send_request(client, endpoint, body), bodies,
+                                            concurrency)
+            if any(not result.ok for result in warm):
+                raise RuntimeError(f"warm-up failed: {sorted({r.error for r in warm if not r.ok})}")
+
+        await warm_up(len(warm_bodies))
         settings, skipped = [], []
         for level, prompts in levels:
             if options.deadline is not None and time.time() > options.deadline:
                 skipped.append(level)
                 continue
+            await warm_up(level)
             bodies = [request_body(endpoint.model, prompt, options.output_len, True) for prompt in prompts]
             settings.append(await run_setting(client, endpoint, bodies, "concurrency", level, options))
     return {"model": endpoint.model, "settings": settings, "skipped_levels": skipped}
@@ -271,6 +279,7 @@ def run_serve(doc: dict, target: Path, drafter: Path, options, deadline, save) -
         "input_len", "output_len", "concurrency", "prompts_per_level", "min_prompts", "max_model_len",
         "kv_cache_memory", "warmup_tokens")}
     doc["serve"].update(max_num_seqs=max(options.concurrency), warmup_requests=len(warmup),
+                        warmup_per_level=True,
                         transport=TRANSPORT, modes=[], skipped_modes=[])
     context = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(1, mp_context=context) as client:

@@ -33,7 +33,8 @@ def serve_lines(doc: dict) -> list[str]:
              "each (greedy, ignore_eos), streamed; per level max(min_prompts, prompts_per_level x C) = "
              f"max({serve['min_prompts']}, {serve['prompts_per_level']} x C) requests, fresh prompts per "
              "level (no prefix-cache hits), the same prompts in every mode. Before the levels, "
-             f"{serve['warmup_requests']} warm-up requests of {serve['warmup_tokens']} tokens (not "
+             f"{serve['warmup_requests']} warm-up requests of {serve['warmup_tokens']} tokens"
+             f"{', and C more before each level' if serve.get('warmup_per_level') else ''} (not "
              f"counted). Serving engines: max_num_seqs {serve['max_num_seqs']}, max_model_len "
              f"{serve['max_model_len']}, kv_cache_memory {serve['kv_cache_memory'] or 'the engine default'}.",
              "",
