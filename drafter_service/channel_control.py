@@ -43,7 +43,12 @@ class ChannelDraftControl:
         return self.channel.call(DraftOp.PING, timeout_s=self.timeout_s)
 
     def store_context(self, num_rows: int) -> None:
-        self.channel.call(DraftOp.STORE_CONTEXT, num_rows, timeout_s=self.timeout_s)
+        """Posted, not awaited: the drafter writes the context while the target commits, schedules
+        and stages the next step; the next propose waits for it (and raises its error)."""
+        self.channel.post(DraftOp.STORE_CONTEXT, num_rows, timeout_s=self.timeout_s)
+
+    def settle(self) -> None:
+        self.channel.settle()
 
     def propose(self, num_seqs: int, num_draft: int, num_block_cols: int) -> None:
         self.channel.call(DraftOp.PROPOSE, num_seqs, num_draft, num_block_cols, timeout_s=self.timeout_s)

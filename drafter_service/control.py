@@ -33,6 +33,11 @@ class DraftControl(Protocol):
         """
         ...
 
+    def settle(self) -> None:
+        """Return once the drafter is done with every call made so far, so the step buffers' inputs
+        may be written again (a drafter in another process may still be storing the last context)."""
+        ...
+
     def propose(self, num_seqs: int, num_draft: int, num_block_cols: int) -> None:
         """Draft for the first `num_seqs` rows of the propose side; write `draft_tokens[:, :num_draft]`.
 

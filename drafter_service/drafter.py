@@ -41,6 +41,9 @@ class DraftWorker:
         slots = self.context.slot_mapping(seq_slots, positions, slots)
         self.model.project_context(b.taps[:num_rows], positions, slots, self.context.caches)
 
+    def settle(self) -> None:
+        """Nothing is ever outstanding: every call runs to its end in the caller's thread."""
+
     def propose(self, num_seqs: int, num_draft: int, num_block_cols: int) -> None:
         """Draft the whole block the drafter was trained on, and hand back its first num_draft tokens.
 

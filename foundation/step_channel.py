@@ -127,6 +127,7 @@ class StepChannel:
         self._owned = owned
         self._seq = seq  # the owner: the last request sent; the server: the last request seen
         self._epoch = int(self._words[_EPOCH])  # the server: its own epoch
+        self._posted: tuple | None = None  # the owner: a request sent by post() and not yet answered
 
     # ---- both sides ------------------------------------------------------------------------------
 
@@ -206,9 +207,30 @@ class StepChannel:
 
         Raises PeerGone when the server dies, closes or is replaced while this call waits (or none
         has attached), TimeoutError after `timeout_s` (None: as long as the server lives), and
-        RemoteError when the handler raised. Not thread-safe: one caller thread per channel.
+        RemoteError when the handler raised. A posted call still outstanding is settled first (its
+        error raised). Not thread-safe: one caller thread per channel.
         """
         self._require_owner()
+        self.settle()
+        return self._answer_of(*self._publish(opcode, args, timeout_s))
+
+    def post(self, opcode: int, *args: int, timeout_s: float | None = None) -> None:
+        """Send `opcode(*args)` without waiting: the server works while the caller goes on. The next
+        call, post or `settle()` waits for its answer first and raises its error; its result is
+        dropped. For calls whose outputs the caller does not read back (on CUDA, the caller's stream
+        still waits on the server's work when the answer is settled)."""
+        self._require_owner()
+        self.settle()
+        self._posted = self._publish(opcode, args, timeout_s)
+
+    def settle(self) -> None:
+        """Wait for the posted call's answer, if one is outstanding; raise its error (it is dropped
+        either way, so a caller that handled the error goes on with a clean channel)."""
+        posted, self._posted = self._posted, None
+        if posted is not None:
+            self._answer_of(*posted)
+
+    def _publish(self, opcode: int, args, timeout_s: float | None) -> tuple:
         opcode, args = int(opcode), [int(arg) for arg in args]
         if len(args) > MAX_ARGS:
             raise ValueError(f"a step channel call carries at most {MAX_ARGS} ints, got {len(args)}")
@@ -227,6 +249,10 @@ class StepChannel:
             self.events.inputs_written()
         words[_REQUEST_SEQ] = seq  # last: publishes the request
         futex.wake(self._address + 8 * _REQUEST_SEQ)
+        return seq, epoch, opcode, timeout_s
+
+    def _answer_of(self, seq: int, epoch: int, opcode: int, timeout_s: float | None) -> int:
+        words = self._words
         self._wait_answer(seq, epoch, opcode, timeout_s)
         status, result = int(words[_STATUS]), int(words[_RESULT])
         if self.events is not None:

@@ -43,6 +43,9 @@ class DrafterLink:
     def store_context(self, num_rows: int) -> None:
         self._call(self.control.store_context, num_rows)
 
+    def settle(self) -> None:
+        self._call(self.control.settle)
+
     def propose(self, num_seqs: int, num_draft: int, num_block_cols: int) -> None:
         self._call(self.control.propose, num_seqs, num_draft, num_block_cols)
 

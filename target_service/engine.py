@@ -251,6 +251,7 @@ class LLMEngine:
                 if offset < keep:
                     slots[row] = seq.block_table[position // tpb] * tpb + position % tpb
         try:
+            self.drafter.settle()  # the last step's context may still be read from the buffers
             self.drafter.store_context(self.step_buffers.stage_context(taps, positions, seq_slots, slots))
         except DrafterUnavailable as error:
             self._lose_context(scheduled, error)

@@ -40,6 +40,9 @@ class PromptLookupDrafter:
     def store_context(self, num_rows: int) -> None:
         """Nothing to store: the proposal is read off the tokens."""
 
+    def settle(self) -> None:
+        """Nothing is ever outstanding."""
+
     def propose(self, num_seqs: int, num_draft: int, num_block_cols: int) -> None:
         """Drafts for the step buffers' first num_seqs sequences, written where the engine reads them."""
         buffers = self.engine.step_buffers

@@ -170,6 +170,41 @@ def test_a_killed_server_is_peer_gone_within_a_second_and_a_new_server_resumes_t
 
 
 @pytest.mark.slow
+def test_a_posted_call_runs_while_the_caller_goes_on_and_the_next_call_waits_for_it(served):
+    channel = served.channel
+    for _ in range(50):  # each posted map is done (and visible) when the next call returns
+        n, a, b = int(torch.randint(1, N + 1, ())), *torch.randint(-1000, 1000, (2,)).tolist()
+        x = torch.randint(-10**6, 10**6, (n,))
+        served.x[:n] = x
+        channel.post(AFFINE, n, a, b)
+        args = torch.randint(-1000, 1000, (3,)).tolist()
+        assert channel.call(ADD, *args) == sum(args)
+        assert torch.equal(served.y[:n], x * a + b)
+    start = time.monotonic()
+    channel.post(SLEEP, 300)
+    assert time.monotonic() - start < 0.2  # post did not wait for the 300 ms handler
+    channel.settle()
+    assert time.monotonic() - start >= 0.3
+    channel.settle()  # nothing outstanding: returns at once
+    value = int(torch.randint(0, 10**6, ()))
+    channel.post(FAIL, value, 1)
+    with pytest.raises(RemoteError, match=f"refused {value}"):
+        channel.call(ADD, 1, 2)  # the posted call's error, raised by the next call (which did not run)
+    assert channel.call(ADD, 1, 2) == 3  # the error was dropped with the posted call
+
+
+@pytest.mark.slow
+def test_a_posted_call_to_a_server_that_dies_is_peer_gone_once_then_a_successor_serves(served):
+    channel, first = served.channel, served.processes[0]
+    channel.post(SLEEP, 60_000)
+    os.kill(first.pid, signal.SIGKILL)
+    with pytest.raises(PeerGone, match=f"pid {first.pid} is gone"):
+        channel.settle()
+    second = served.start_server(after_epoch=1)
+    assert channel.call(PID) == second.pid  # the abandoned post is not raised again
+
+
+@pytest.mark.slow
 def test_a_call_times_out_and_the_late_answer_is_not_taken_for_the_next_call(served):
     channel = served.channel
     start = time.monotonic()

@@ -57,6 +57,9 @@ class OracleDrafter:
                 self.stored.setdefault(self._seq_at(slot).seq_id, []).append(position)
         self.inner.store_context(num_rows)
 
+    def settle(self):
+        self.inner.settle()
+
     def propose(self, num_seqs, num_speculative_tokens, num_block_cols):
         self.inner.propose(num_seqs, num_speculative_tokens, num_block_cols)  # the real path still runs
         buffers, rows = self.engine.step_buffers, []

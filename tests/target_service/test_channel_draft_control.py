@@ -44,6 +44,9 @@ class DraftRecorder:
     def store_context(self, num_rows: int) -> None:
         self.inner.store_context(num_rows)
 
+    def settle(self) -> None:
+        self.inner.settle()
+
     def propose(self, num_seqs: int, num_draft: int, num_block_cols: int) -> None:
         self.inner.propose(num_seqs, num_draft, num_block_cols)
         self.drafts.append(self.buffers.draft_tokens[:num_seqs, :num_draft].tolist())

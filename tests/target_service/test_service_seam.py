@@ -62,6 +62,9 @@ class PipeDraftControl:
     def store_context(self, num_rows: int) -> None:
         self._call("store_context", num_rows)
 
+    def settle(self) -> None:
+        """Every call over the pipe waits for its answer: nothing is outstanding."""
+
     def propose(self, num_seqs: int, num_draft: int, num_block_cols: int) -> None:
         self._call("propose", num_seqs, num_draft, num_block_cols)
 
@@ -75,6 +78,9 @@ class DraftRecorder:
 
     def store_context(self, num_rows: int) -> None:
         self.inner.store_context(num_rows)
+
+    def settle(self) -> None:
+        self.inner.settle()
 
     def propose(self, num_seqs: int, num_draft: int, num_block_cols: int) -> None:
         self.inner.propose(num_seqs, num_draft, num_block_cols)
