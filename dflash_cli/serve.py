@@ -48,6 +48,9 @@ def register(subparsers) -> None:
     parser.add_argument("--replica-resources", metavar="JSON",
                         help="custom Ray resources a replica needs, e.g. '{\"dflash_gpu\": 1}' (default: "
                              "none); each replica's CPUs, GPUs and these sit on one node")
+    parser.add_argument("--services", choices=("inprocess", "ray"), default="inprocess",
+                        help="where a replica's engine runs: in the replica's process (default), or as "
+                             "three Ray actors, pool, drafter and target, each its own process")
     parser.set_defaults(func=run)
 
 

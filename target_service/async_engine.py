@@ -58,6 +58,16 @@ class RequestDelta:
     spec_decode: SpecDecodeStats | None = None
 
 
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """What the metrics read at a scrape: the speculative counters, the queue and the pool."""
+
+    stats: SpecDecodeStats
+    num_running: int
+    num_waiting: int
+    pool: object  # kvpool_service.control.PoolUsage
+
+
 @dataclass
 class _Tracked:
     loop: asyncio.AbstractEventLoop
@@ -96,6 +106,13 @@ class AsyncEngine:
     @property
     def num_running(self) -> int:
         return len(self.engine.scheduler.running)
+
+    def snapshot(self) -> EngineSnapshot:
+        """Counters, queue lengths and pool usage, read from another thread between steps' writes
+        (each value is one read of a Python object: possibly a step old, never torn)."""
+        engine = self.engine
+        return EngineSnapshot(engine.stats.copy(), self.num_running, self.num_waiting,
+                              engine.scheduler.pool.stats())
 
     def check(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Refuse (ValueError) a request that could never run, before anything is queued."""

@@ -32,6 +32,7 @@ from ray import serve
 
 from target_service import ray_runtime
 from target_service.api import create_app, slot_named
+from target_service.ray_services import service_bundle
 from target_service.replica import Replica
 from target_service.serve_args import ServeArgs
 
@@ -106,11 +107,21 @@ def _rank(context, which: str = "rank") -> int:
 
 
 def replica_bundle(args: ServeArgs) -> dict[str, float]:
-    """The one placement-group bundle of a replica: all it needs, on one node."""
+    """The replica actor's own placement-group bundle: all it needs, on one node (with services="ray"
+    its GPUs go to the three service bundles instead, `replica_bundles`)."""
     bundle = {"CPU": args.num_cpus_per_replica, **args.replica_resources}
-    if args.num_gpus_per_replica:
+    if args.num_gpus_per_replica and args.services == "inprocess":
         bundle["GPU"] = args.num_gpus_per_replica
     return bundle
+
+
+def replica_bundles(args: ServeArgs) -> list[dict[str, float]]:
+    """Every bundle of one replica's placement group: its own, then (services="ray") the pool's, the
+    drafter's and the target's, which `Replica` starts in bundles 1-3."""
+    bundles = [replica_bundle(args)]
+    if args.services == "ray":
+        bundles += [service_bundle("cuda" if args.num_gpus_per_replica else "cpu")] * 3
+    return bundles
 
 
 def replica_deployment(args: ServeArgs) -> serve.Deployment:
@@ -119,9 +130,10 @@ def replica_deployment(args: ServeArgs) -> serve.Deployment:
     holds eight replicas, one per GPU, and the resources alone say so."""
     return serve.deployment(
         DFlashReplica, name=DEPLOYMENT_NAME, num_replicas=args.replicas,
-        ray_actor_options={"num_cpus": args.num_cpus_per_replica, "num_gpus": args.num_gpus_per_replica,
+        ray_actor_options={"num_cpus": args.num_cpus_per_replica,
+                           "num_gpus": replica_bundle(args).get("GPU", 0),
                            "resources": dict(args.replica_resources)},
-        placement_group_bundles=[replica_bundle(args)], placement_group_strategy="STRICT_PACK",
+        placement_group_bundles=replica_bundles(args), placement_group_strategy="STRICT_PACK",
         max_ongoing_requests=max(1, args.max_num_seqs + args.max_waiting),
         graceful_shutdown_timeout_s=DRAIN_TIMEOUT_S, graceful_shutdown_wait_loop_s=0.5,
         health_check_period_s=5.0)

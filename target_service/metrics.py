@@ -29,8 +29,8 @@ class _EngineCollector:
 
     def collect(self):
         values = list(self.labels.values())
-        engine = self.async_engine.engine
-        stats = engine.stats
+        snapshot = self.async_engine.snapshot()
+        stats = snapshot.stats
         for name, doc, value in (
             ("dflash:spec_decode_num_drafts", "Speculative steps that drafted", stats.num_drafts),
             ("dflash:spec_decode_num_draft_tokens", "Draft tokens proposed", stats.num_draft_tokens),
@@ -47,16 +47,15 @@ class _EngineCollector:
             per_position.add_metric([*values, str(position)], count)
         yield per_position
         for name, doc, value in (
-            ("dflash:num_requests_running", "Requests holding a slot", self.async_engine.num_running),
-            ("dflash:num_requests_waiting", "Requests waiting for a slot", self.async_engine.num_waiting),
+            ("dflash:num_requests_running", "Requests holding a slot", snapshot.num_running),
+            ("dflash:num_requests_waiting", "Requests waiting for a slot", snapshot.num_waiting),
         ):
             family = self._family(GaugeMetricFamily, name, doc)
             family.add_metric(values, value)
             yield family
-        yield from self._pool(engine, values)
+        yield from self._pool(snapshot.pool, values)
 
-    def _pool(self, engine, values):
-        usage = engine.scheduler.pool.stats()
+    def _pool(self, usage, values):
         # block ids are position-aligned across the groups: the counts are the pool's, per group alike
         for name, doc, value in (
             ("dflash:kv_blocks_used", "Pool blocks held by live sequences", usage.num_used_blocks),

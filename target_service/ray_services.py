@@ -23,10 +23,12 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
+
 from drafter_service.assembler import DrafterArgs
 from drafter_service.service import DrafterService
 from kvpool_service.service import KVPoolService, PoolInfo
-from target_service.engine_args import EngineArgs, resolve_device
+from target_service.engine_args import EngineArgs
 from target_service.ray_runtime import NAMESPACE, start_ray
 from target_service.sampling_params import SamplingParams
 from target_service.service import GenerationResult, TargetService
@@ -37,6 +39,11 @@ STARTUP_TIMEOUT_S = 600.0
 POOL_WAIT_S = 120.0
 CPUS_PER_ACTOR = 0.25  # the actors mostly wait on each other or the GPU; CI machines have 2 cores
 GPU_SHARE = 0.33  # three actors on one GPU
+
+
+def service_bundle(device_type: str) -> dict[str, float]:
+    """The placement-group bundle of one service actor: a share of a CPU and of the GPU."""
+    return {"CPU": CPUS_PER_ACTOR} | ({"GPU": GPU_SHARE} if device_type == "cuda" else {})
 
 
 class ServiceFailed(RuntimeError):
@@ -102,16 +109,22 @@ class RayServices:
 
     def __init__(self, args: EngineArgs, *, replica: int = 0, address: str | None = None,
                  pool_host: str = "127.0.0.1", pool_port: int = 0, pool_token: str | None = None,
-                 lease_tokens: int | None = None, target_class: type = TargetService):
+                 lease_tokens: int | None = None, target_class: type = TargetService,
+                 placement=None, bundles: tuple[int, int, int] = (0, 1, 2)):
+        """placement: a placement group to start the three in (bundles: the pool's, the drafter's and
+        the target's indices in it), owned by the caller (a Ray Serve replica's); None: make one."""
         self.args = args
         self.names = ServiceNames(replica)
         self.address = address
         self.pool_host, self.pool_port, self.pool_token = pool_host, pool_port, pool_token
         self.lease_tokens = lease_tokens
         self.target_class = target_class
-        self.device = resolve_device(args.device)
+        # The actors resolve the device where they run; this process (a Ray Serve replica) may see no GPU.
+        self.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.started_ray = False
-        self.placement = None
+        self.placement = placement
+        self.owns_placement = placement is None
+        self.bundles = bundles
         self.pool = self.drafter = self.target = None
 
     # ---- lifecycle ----------------------------------------------------------------------------------
@@ -122,9 +135,10 @@ class RayServices:
 
         self.started_ray = start_ray(self.address)
         try:
-            bundle = {"CPU": CPUS_PER_ACTOR} | ({"GPU": GPU_SHARE} if self.device.type == "cuda" else {})
-            self.placement = placement_group([bundle] * 3, strategy="STRICT_PACK",
-                                             name=f"dflash-services-{self.names.replica}")
+            if self.owns_placement:
+                bundles = [service_bundle(self.device.type)] * 3
+                self.placement = placement_group(bundles, strategy="STRICT_PACK",
+                                                 name=f"dflash-services-{self.names.replica}")
             ray.get(self.placement.ready(), timeout=timeout_s)
             self._start_actors(timeout_s)
         except BaseException:
@@ -132,10 +146,12 @@ class RayServices:
             raise
         return self
 
-    def _options(self, name: str, bundle_index: int, **extra) -> dict:
+    def _options(self, name: str, service: int, **extra) -> dict:
+        """Actor options of service 0 (pool), 1 (drafter) or 2 (target): its bundle, name, restarts."""
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        strategy = PlacementGroupSchedulingStrategy(self.placement, placement_group_bundle_index=bundle_index)
+        strategy = PlacementGroupSchedulingStrategy(self.placement,
+                                                    placement_group_bundle_index=self.bundles[service])
         gpus = GPU_SHARE if self.device.type == "cuda" else 0
         return dict(name=name, namespace=NAMESPACE, num_cpus=CPUS_PER_ACTOR, num_gpus=gpus,
                     max_restarts=-1, scheduling_strategy=strategy, **extra)
@@ -173,6 +189,10 @@ class RayServices:
 
         return compute_dtype(self.args.dtype, self.device)
 
+    @property
+    def max_model_len(self) -> int:
+        return self._max_model_len()
+
     def _max_model_len(self) -> int:
         from foundation.checkpoint_config import load_target_config
 
@@ -191,7 +211,7 @@ class RayServices:
                 except Exception as error:  # already gone
                     logger.debug("kill: %s", error)
         self.target = self.drafter = self.pool = None
-        if self.placement is not None:
+        if self.placement is not None and self.owns_placement:
             from ray.util.placement_group import remove_placement_group
 
             remove_placement_group(self.placement)
@@ -206,10 +226,22 @@ class RayServices:
         """Start one request on the target; returns its Ray ObjectRef (ray.cancel aborts it)."""
         return self.target.generate.remote(list(prompt_token_ids), params, request_id)
 
+    def stream(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None):
+        """One request as a Ray streaming generator of `RequestDelta` refs (ray.cancel aborts it)."""
+        return self.target.stream.options(num_returns="streaming").remote(list(prompt_token_ids), params,
+                                                                         request_id)
+
+    def check(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """The target's refusal (ValueError) of a request that could never run; None when it can."""
+        self._ask(self.target.check, list(prompt_token_ids), params)
+
+    def snapshot(self) -> dict:
+        return self._ask(self.target.snapshot)
+
     def generate(self, prompts: Sequence[list[int]], params: Sequence[SamplingParams]
                  ) -> list[GenerationResult]:
         for ids, p in zip(prompts, params):  # refuse the whole call before anything runs
-            self._ask(self.target.check, list(ids), p)
+            self.check(ids, p)
         return self._get([self.submit(ids, p) for ids, p in zip(prompts, params)])
 
     def _ask(self, method, *args):

@@ -1,9 +1,14 @@
-"""Replica: one serving copy of the model, without Ray: the in-process engine, its `AsyncEngine`, the
-OpenAI server over them, the metrics, and the admin gRPC port (pool stats and health, read-only).
+"""Replica: one serving copy of the model: its engine, the OpenAI server over it, the metrics, and the
+admin gRPC port (pool stats and health).
+
+With services="inprocess" the engine runs here (an `AsyncEngine` over the in-process assembly) and
+the admin port is a read-only server over its pool. With services="ray" the engine runs in three
+Ray actors this replica starts (`RayServices`: in the replica's own placement group when it has one,
+bundles 1-3), the server drives the target actor through `RemoteEngine`, and the admin port is the
+pool actor's own gRPC port (token auth with the admin token). The HTTP contract is the same.
 
 A Ray Serve replica (`target_service.deploy`) only constructs one and delegates; tests build one
-directly. When the Ray services land, this is where the trio is assembled instead of the
-in-process engine; the HTTP contract does not change.
+directly.
 """
 
 from __future__ import annotations
@@ -24,24 +29,49 @@ class Replica:
     def __init__(self, args: ServeArgs, rank: int = 0, *, admin_offset: int | None = None):
         """rank: the replica's number in the metrics; admin_offset: added to admin_port (default: rank)."""
         engine_args = args.engine_args()
-        self.assembly = build_engine(engine_args)
-        engine = self.assembly.engine
-        self.async_engine = AsyncEngine(engine, max_waiting=args.max_waiting)
-        groups = [group.name for group in self.assembly.pool.layout.spec.groups]
+        self.assembly = self.services = self.admin = None
+        offset = rank if admin_offset is None else admin_offset
+        admin_port = args.admin_port and args.admin_port + offset  # None: off; 0: any free port
+        if args.services == "ray":
+            tokenizer, max_model_len, groups = self._start_services(args, engine_args, rank, admin_port)
+        else:
+            self.assembly = build_engine(engine_args)
+            engine = self.assembly.engine
+            self.async_engine = AsyncEngine(engine, max_waiting=args.max_waiting)
+            tokenizer, max_model_len = self.assembly.tokenizer, engine.scheduler.max_model_len
+            groups = [group.name for group in self.assembly.pool.layout.spec.groups]
+            if admin_port is not None:
+                pool = self.assembly.pool
+                self.admin = BackgroundServer(pool.blocks, pool.layout, host=args.host, port=admin_port,
+                                              token=load_token(args.admin_token_file), read_only=True).start()
+                logger.info("replica %d: admin gRPC on %s", rank, self.admin.address)
         self.metrics = ServerMetrics(self.async_engine, model_name=args.model_name, replica=str(rank),
                                      groups=groups)
         api_key = load_token(args.api_key_file, env="DFLASH_API_KEY")
-        self.server = OpenAIServer(self.async_engine, self.assembly.tokenizer, model_name=args.model_name,
-                                   max_model_len=engine.scheduler.max_model_len,
-                                   target_dir=engine_args.target, metrics=self.metrics, api_key=api_key)
-        self.admin = None
-        if args.admin_port is not None:
-            offset = rank if admin_offset is None else admin_offset
-            port = 0 if args.admin_port == 0 else args.admin_port + offset
-            pool = self.assembly.pool
-            self.admin = BackgroundServer(pool.blocks, pool.layout, host=args.host, port=port,
-                                          token=load_token(args.admin_token_file), read_only=True).start()
-            logger.info("replica %d: admin gRPC on %s", rank, self.admin.address)
+        self.server = OpenAIServer(self.async_engine, tokenizer, model_name=args.model_name,
+                                   max_model_len=max_model_len, target_dir=engine_args.target,
+                                   metrics=self.metrics, api_key=api_key)
+
+    def _start_services(self, args: ServeArgs, engine_args, rank: int, admin_port: int | None):
+        """The pool, drafter and target as Ray actors; the pool's gRPC port is the admin port."""
+        from ray.util import get_current_placement_group
+
+        from target_service.checkpoint import open_target_checkpoint
+        from target_service.ray_services import RayServices
+        from target_service.remote_engine import RemoteEngine
+
+        placement = get_current_placement_group()  # a Serve replica's: its own bundle, then the trio's
+        self.services = RayServices(engine_args, replica=rank, address=args.address, pool_host=args.host,
+                                    pool_port=admin_port or 0, pool_token=load_token(args.admin_token_file),
+                                    placement=placement,
+                                    bundles=(1, 2, 3) if placement else (0, 1, 2)).start()
+        self.async_engine = RemoteEngine(self.services, max_num_seqs=args.max_num_seqs,
+                                         max_waiting=args.max_waiting)
+        pool = self.services.pool_info()
+        logger.info("replica %d: services %s, admin gRPC (the pool's) on %s", rank, self.services.pids(),
+                    pool.address)
+        groups = [group.name for group in pool.handle.layout.spec.groups]
+        return open_target_checkpoint(engine_args.target).tokenizer, self.services.max_model_len, groups
 
     def close(self, drain_timeout_s: float = 30.0) -> None:
         """Refuse new requests, let the running ones finish, then release everything."""
@@ -49,4 +79,5 @@ class Replica:
         self.async_engine.shutdown(drain_timeout_s)
         if self.admin is not None:
             self.admin.stop()
-        self.assembly.close()
+        if self.assembly is not None:
+            self.assembly.close()

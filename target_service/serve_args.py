@@ -41,6 +41,9 @@ class ServeArgs(BaseModel):
     # custom Ray resources one replica needs besides its CPUs and GPUs, e.g. {"dflash_gpu": 1} standing
     # in for a GPU on a CPU cluster; the flag takes JSON
     replica_resources: dict[str, float] = Field(default_factory=dict)
+    # "inprocess": a replica runs the engine itself; "ray": it drives the pool, drafter and target as
+    # three Ray actors of its own (target_service.ray_services), in its placement group
+    services: Literal["inprocess", "ray"] = "inprocess"
 
     @field_validator("kv_cache_memory")
     @classmethod

@@ -174,6 +174,21 @@ class TargetService:
         return GenerationResult(last.request_id, token_ids, "".join(text), last.finish_reason,
                                 last.num_prompt_tokens, last.spec_decode or SpecDecodeStats())
 
+    async def stream(self, prompt_token_ids: list[int], params: SamplingParams,
+                     request_id: str | None = None):
+        """One request's deltas as they come (a Ray streaming generator: cancelling it aborts the
+        request and frees its pages)."""
+        if self.async_engine is None:
+            raise EngineDead("the target service has not started: its pool is not up yet")
+        async for delta in self.async_engine.generate(prompt_token_ids, params, request_id):
+            yield delta
+
+    def snapshot(self) -> dict:
+        """The counters and queue lengths the server's metrics and admission read."""
+        engine = self._started_engine()
+        return {"stats": engine.stats.copy(), "num_running": len(engine.scheduler.running),
+                "num_waiting": self.async_engine.num_waiting, "healthy": self.async_engine.is_healthy}
+
     def check(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Refuse (ValueError) a request that could never run, before anything runs."""
         self._started_engine().check_prompt(prompt_token_ids, params)

@@ -182,6 +182,21 @@ def test_replica_bundle_holds_the_cpus_gpus_and_custom_resources_of_one_replica(
     assert (options["num_cpus"], options["num_gpus"], options["resources"]) == (0.5, 1.0, {"dflash_gpu": 1.0})
 
 
+def test_with_ray_services_a_replicas_gpu_goes_to_its_three_service_bundles():
+    from target_service.deploy import replica_bundles
+
+    args = ServeArgs(services="ray", num_cpus_per_replica=0.5, num_gpus_per_replica=1,
+                     replica_resources='{"dflash_gpu": 1}')
+    bundles = replica_bundles(args)
+    assert bundles[0] == {"CPU": 0.5, "dflash_gpu": 1.0}  # the replica actor: no GPU of its own
+    assert bundles[1:] == [{"CPU": 0.25, "GPU": 0.33}] * 3  # pool, drafter, target share the GPU
+    assert sum(bundle.get("GPU", 0) for bundle in bundles) <= args.num_gpus_per_replica
+    assert replica_deployment(args).ray_actor_options["num_gpus"] == 0
+    cpu = replica_bundles(ServeArgs(services="ray", num_cpus_per_replica=0.5))
+    assert cpu == [{"CPU": 0.5}] + [{"CPU": 0.25}] * 3
+    assert replica_bundles(ServeArgs(num_cpus_per_replica=0.5)) == [{"CPU": 0.5}]  # in process: one
+
+
 @pytest.mark.parametrize(("flag", "expected"), [
     ('{"dflash_gpu": 1', "--replica-resources: not JSON"),
     ('{"GPU": 1}', "--replica-resources: GPU has its own flag (--num-gpus-per-replica)"),

@@ -1,0 +1,94 @@
+"""RemoteEngine: what the HTTP server drives when the engine runs in the target service's actor.
+
+It offers the `AsyncEngine` surface the OpenAI server, the metrics and the drain read (`generate`,
+`check`, `snapshot`, `num_running`, `num_waiting`, `is_healthy`, `shutdown`), over a `RayServices`
+trio: a request is one Ray streaming-generator call on the target actor, its deltas arriving as the
+engine emits them; closing the stream early (a client that went away) cancels the call, which aborts
+the request in the target's engine and frees its pages. The HTTP contract does not change.
+
+Admission (429) counts the requests this replica has in flight, locally: those past max_num_seqs are
+the waiting ones, as the target's engine would hold them (it may hold more waiting while pages are
+short; the target's own queue bound still applies behind this one).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+
+from target_service.async_engine import EngineDead, EngineSnapshot, QueueFull, RequestDelta
+from target_service.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class RemoteEngine:
+    def __init__(self, services, *, max_num_seqs: int, max_waiting: int = 256):
+        """services: a started `RayServices` (this object closes it on shutdown)."""
+        self.services = services
+        self.max_num_seqs = max_num_seqs
+        self.max_waiting = max_waiting
+        self._in_flight = 0
+        self._stopping = False
+        self._failed: BaseException | None = None
+
+    # ---- what the server reads --------------------------------------------------------------------
+
+    @property
+    def is_healthy(self) -> bool:
+        return self._failed is None and not self._stopping
+
+    @property
+    def num_running(self) -> int:
+        return min(self._in_flight, self.max_num_seqs)
+
+    @property
+    def num_waiting(self) -> int:
+        return max(0, self._in_flight - self.max_num_seqs)
+
+    def check(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """The target's own refusal (ValueError) of a request that could never run."""
+        self.services.check(prompt_token_ids, params)
+
+    def snapshot(self) -> EngineSnapshot:
+        state = self.services.snapshot()
+        return EngineSnapshot(state["stats"], state["num_running"], state["num_waiting"],
+                              self.services.pool_stats())
+
+    async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
+                       request_id: str | None = None) -> AsyncIterator[RequestDelta]:
+        """Stream one request's deltas from the target actor; closing the iterator early aborts it."""
+        import ray
+        from ray.exceptions import RayActorError
+
+        if self._stopping:
+            raise EngineDead("the engine is shutting down; it takes no new requests")
+        if self.num_waiting >= self.max_waiting:
+            raise QueueFull(self.num_waiting)
+        self.check(prompt_token_ids, params)
+        stream = self.services.stream(prompt_token_ids, params, request_id)
+        self._in_flight += 1
+        finished = False
+        try:
+            async for ref in stream:
+                delta = await ref
+                finished = delta.finished
+                yield delta
+                if finished:
+                    return
+        except RayActorError as error:
+            raise EngineDead(f"the target service died mid-request: {error}") from None
+        finally:
+            self._in_flight -= 1
+            if not finished:
+                ray.cancel(stream)  # the target's engine aborts the request and frees its pages
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop taking requests, let those in flight finish, then stop the three services."""
+        import time
+
+        self._stopping = True
+        deadline = time.monotonic() + timeout
+        while self._in_flight and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self.services.close()

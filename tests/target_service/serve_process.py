@@ -1,0 +1,62 @@
+"""A real `dflash serve` in a subprocess (its own Ray on loopback), for the serving tests."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+
+import openai
+
+from kvpool_service.client import KVPoolClient
+
+MODEL = dict(device="cpu", dtype="float32", kv_cache_memory="16MiB", max_model_len=512, max_num_seqs=4)
+PROMPT = "def parse_args(argv):\n    parser = "
+READY_TIMEOUT_S = 150
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Server:
+    """`dflash serve` with the demo pair (MODEL's settings) plus `extra` flags; ready once it prints
+    its ready line."""
+
+    def __init__(self, *extra: str, replicas: int = 2):
+        self.port, self.admin_port = free_port(), free_port()
+        while self.admin_port + 1 == self.port:
+            self.admin_port = free_port()
+        command = [sys.executable, "-m", "dflash_cli.main", "serve", "--port", str(self.port),
+                   "--admin-port", str(self.admin_port), "--replicas", str(replicas),
+                   "--num-cpus-per-replica", "0.5", "--device", "cpu", "--dtype", "float32",
+                   "--kv-cache-memory", MODEL["kv_cache_memory"],
+                   "--max-model-len", str(MODEL["max_model_len"]),
+                   "--max-num-seqs", str(MODEL["max_num_seqs"]), *extra]
+        env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
+        env.pop("RAY_ADDRESS", None)
+        self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                        env=env)
+        self.lines: list[str] = []
+        self.ready = threading.Event()
+        threading.Thread(target=self._read, daemon=True).start()
+        if not self.ready.wait(READY_TIMEOUT_S):
+            self.process.kill()
+            raise AssertionError("dflash serve never became ready:\n" + "".join(self.lines[-30:]))
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def _read(self):
+        for line in self.process.stdout:
+            self.lines.append(line)
+            if line.startswith("dflash serve: ready at"):
+                self.ready.set()
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="none", max_retries=0)
+
+    def admin(self, rank: int) -> KVPoolClient:
+        return KVPoolClient(f"127.0.0.1:{self.admin_port + rank}")

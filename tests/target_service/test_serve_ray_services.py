@@ -1,0 +1,86 @@
+"""`dflash serve --services ray`: each replica drives the pool, drafter and target as Ray actors of its
+own, behind the same HTTP contract. One real server (subprocess, its own Ray on loopback, one
+replica) for the module; the offline in-process `LLM` is the reference."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import time
+
+import httpx
+import pytest
+from serve_process import MODEL, PROMPT, Server
+
+from target_service.llm import LLM
+from target_service.sampling_params import SamplingParams
+
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray")]
+
+
+@pytest.fixture(scope="module")
+def server(ray_machine):
+    started = Server("--services", "ray", replicas=1)
+    yield started
+    if started.process.poll() is None:
+        started.process.send_signal(signal.SIGTERM)
+        try:
+            started.process.wait(60)
+        except subprocess.TimeoutExpired:
+            started.process.kill()
+
+
+@pytest.fixture(scope="module")
+def expected():
+    llm = LLM(**MODEL)
+    out = llm.generate([PROMPT], SamplingParams(max_tokens=32, temperature=0))[0].outputs[0]
+    llm.close()
+    return out
+
+
+def drafts_so_far(http: httpx.Client) -> float:
+    text = http.get("/metrics").text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("dflash:spec_decode_num_drafts_total{"))
+
+
+def test_completions_and_streams_through_the_actors_equal_the_offline_llm(server, expected):
+    api = server.client()
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        before = drafts_so_far(http)
+        whole = api.completions.create(model="dflash-demo", prompt=PROMPT, max_tokens=32, temperature=0)
+        assert whole.choices[0].text == expected.text
+        assert whole.usage.completion_tokens == len(expected.token_ids)
+        stream = api.completions.create(model="dflash-demo", prompt=PROMPT, max_tokens=32, temperature=0,
+                                        stream=True)
+        assert "".join(chunk.choices[0].text for chunk in stream if chunk.choices) == expected.text
+        assert drafts_so_far(http) > before  # the target actor's counters reach /metrics
+
+
+def test_a_bad_request_is_refused_by_the_target_and_changes_nothing(server):
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        reply = http.post("/v1/completions", json={"prompt": [10**9], "max_tokens": 4})
+        assert reply.status_code == 400 and "vocabulary" in reply.json()["error"]["message"]
+    assert server.admin(0).stats().num_seqs == 0
+
+
+def test_the_admin_port_is_the_pool_actors_and_a_dropped_stream_frees_its_pages(server):
+    admin = server.admin(0)
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        body = {"prompt": PROMPT, "max_tokens": 400, "ignore_eos": True, "stream": True}
+        with http.stream("POST", "/v1/completions", json=body) as response:
+            lines = response.iter_lines()
+            next(line for line in lines if line.startswith("data:"))
+            held = admin.stats().num_used_blocks
+        # the client left mid-stream: the stream's Ray call is cancelled, the target aborts the request
+    deadline = time.monotonic() + 20
+    while admin.stats().num_used_blocks and time.monotonic() < deadline:
+        time.sleep(0.1)
+    usage = admin.stats()
+    assert held > 0 and usage.num_used_blocks == 0 and usage.num_seqs == 0
+
+
+def test_sigterm_stops_the_server_and_its_actors(server):
+    server.process.send_signal(signal.SIGTERM)
+    assert server.process.wait(60) == 0
+    assert any("draining" in line for line in server.lines)
