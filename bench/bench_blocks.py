@@ -89,6 +89,15 @@ def machine() -> str:
             f"{platform.system()} {platform.release()}")
 
 
+def publish(report: str, out: Path | None) -> int:
+    """Print a markdown report and, given a path, write it there too; the exit status of a bench."""
+    print(report)
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(report)
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seqs", type=int, default=256)
@@ -126,11 +135,7 @@ def main() -> int:
         "clock starts", "",
         *table, "",
     ])
-    print(report)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(report)
-    return 0
+    return publish(report, args.out)
 
 
 if __name__ == "__main__":

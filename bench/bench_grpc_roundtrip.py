@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.bench_blocks import machine, percentile
+from bench.bench_blocks import machine, percentile, publish
 from kvpool_service.blocks import BlockManager
 from kvpool_service.client import KVPoolClient
 from kvpool_service.control import CommitRequest, OpenRequest, ReserveRequest
@@ -118,11 +118,7 @@ def main() -> int:
         "no auth; each step reserves len + K + 1 and commits 1..K+1 accepted tokens with their ids", "",
         *table, "",
     ])
-    print(report)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(report)
-    return 0
+    return publish(report, args.out)
 
 
 if __name__ == "__main__":

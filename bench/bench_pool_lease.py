@@ -26,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.bench_blocks import machine, percentile
+from bench.bench_blocks import machine, percentile, publish
 from kvpool_service.blocks import BlockManager
 from kvpool_service.control import CommitRequest, OpenRequest, ReserveRequest
 from kvpool_service.leased_control import LeasedPoolControl
@@ -181,11 +181,7 @@ def main() -> int:
         "sequence's last block has room) but must first wait for the commit queued at the end of the "
         "step before; leased calls only when some sequence runs out of its lease.", "",
     ])
-    print(report)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(report)
-    return 0
+    return publish(report, args.out)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from bench.bench_blocks import machine, percentile
+from bench.bench_blocks import machine, percentile, publish
 from foundation import futex
 from foundation.step_channel import SPIN_S, StepChannel
 
@@ -107,11 +107,7 @@ def main() -> int:
         "pickled int from a spawned process", "",
         *table, "",
     ])
-    print(report)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(report)
-    return 0
+    return publish(report, args.out)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,24 @@ def random_prompts(count: int, vocab_size: int, *, low=1, high=40) -> list[list[
     return [torch.randint(3, vocab_size, (n,)).tolist() for n in lengths]
 
 
+class DraftRecorder:
+    """Wraps a DraftControl; keeps every proposal as read back from the target's step buffers."""
+
+    def __init__(self, inner, buffers):
+        self.inner, self.buffers, self.drafts = inner, buffers, []
+        self.block_size = inner.block_size
+
+    def store_context(self, num_rows: int) -> None:
+        self.inner.store_context(num_rows)
+
+    def settle(self) -> None:
+        self.inner.settle()
+
+    def propose(self, num_seqs: int, num_draft: int, num_block_cols: int) -> None:
+        self.inner.propose(num_seqs, num_draft, num_block_cols)
+        self.drafts.append(self.buffers.draft_tokens[:num_seqs, :num_draft].tolist())
+
+
 class OracleDrafter:
     """Wraps the real DraftWorker: records every context write, and proposes the KNOWN target
     continuation (from a target-only reference run) with some drafts corrupted on purpose.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -15,6 +16,18 @@ from kvpool_service.client import KVPoolClient
 MODEL = dict(device="cpu", dtype="float32", kv_cache_memory="16MiB", max_model_len=512, max_num_seqs=4)
 PROMPT = "def parse_args(argv):\n    parser = "
 READY_TIMEOUT_S = 150
+
+
+def offline_completion(max_tokens: int = 32):
+    """The offline in-process LLM's greedy completion of PROMPT with MODEL's settings: the reference."""
+    from target_service.llm import LLM
+    from target_service.sampling_params import SamplingParams
+
+    llm = LLM(**MODEL)
+    try:
+        return llm.generate([PROMPT], SamplingParams(max_tokens=max_tokens, temperature=0))[0].outputs[0]
+    finally:
+        llm.close()
 
 
 def free_port() -> int:
@@ -54,6 +67,15 @@ class Server:
             self.lines.append(line)
             if line.startswith("dflash serve: ready at"):
                 self.ready.set()
+
+    def stop(self, timeout: float = 60) -> None:
+        """SIGTERM (the server drains), then kill what is still there after `timeout`."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
 
     def client(self) -> openai.OpenAI:
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key="none", max_retries=0)

@@ -156,6 +156,14 @@ def _running(services) -> bool:
     return services.describe()["running"] > 0
 
 
+def kill_mid_generation(services, prompts, max_tokens: int, which: str) -> list:
+    """Submit `prompts`, wait until they run, SIGKILL the `which` service; returns the requests' refs."""
+    refs = [services.submit(p, greedy(max_tokens)) for p in prompts]
+    wait_for(lambda: _running(services), "requests to run")
+    _kill(services.pids()[which])
+    return refs
+
+
 def test_drafter_death_keeps_requests_lossless_and_speculation_resumes(ray_local, pair):
     target, drafter = pair
     settings = dict(SETTINGS, num_speculative_tokens=7)
@@ -163,9 +171,7 @@ def test_drafter_death_keeps_requests_lossless_and_speculation_resumes(ray_local
     expected = reference(target, drafter, prompts, greedy(120), **settings)
     services = start_trio(target, drafter, **settings)
     try:
-        refs = [services.submit(p, greedy(120)) for p in prompts]
-        wait_for(lambda: _running(services), "requests to run")
-        _kill(services.pids()["drafter"])
+        refs = kill_mid_generation(services, prompts, 120, "drafter")
         results = services._get(refs, timeout=WAIT_S)
         assert [r.token_ids for r in results] == expected
         state = services.describe()
@@ -188,9 +194,7 @@ def test_pool_death_recomputes_into_the_restarted_pool(ray_local, pair):
     services = start_trio(target, drafter, **settings)
     try:
         epoch = services.pool_info().epoch
-        refs = [services.submit(p, greedy(120)) for p in prompts]
-        wait_for(lambda: _running(services), "requests to run")
-        _kill(services.pool_info().pid)
+        refs = kill_mid_generation(services, prompts, 120, "kvpool")
         results = services._get(refs, timeout=WAIT_S)
         assert [r.token_ids for r in results] == expected
         state = services.describe()
@@ -210,9 +214,7 @@ def test_target_death_fails_its_requests_clearly_and_the_restart_serves(ray_loca
     expected = reference(target, drafter, prompts, greedy(16), **settings)
     services = start_trio(target, drafter, **settings)
     try:
-        refs = [services.submit(p, greedy(200)) for p in random_prompts(4, VOCAB)]
-        wait_for(lambda: _running(services), "requests to run")
-        _kill(services.describe()["pid"])
+        refs = kill_mid_generation(services, random_prompts(4, VOCAB), 200, "target")
         with pytest.raises(ServiceFailed, match=r"target service of replica \d+ died"):
             services._get(refs, timeout=WAIT_S)
         results = services.generate(prompts, [greedy(16)] * len(prompts))  # the restarted target

@@ -5,15 +5,11 @@ replica) for the module; the offline in-process `LLM` is the reference."""
 from __future__ import annotations
 
 import signal
-import subprocess
 import time
 
 import httpx
 import pytest
-from serve_process import MODEL, PROMPT, Server
-
-from target_service.llm import LLM
-from target_service.sampling_params import SamplingParams
+from serve_process import PROMPT, Server, offline_completion
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray")]
 
@@ -22,20 +18,12 @@ pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray")]
 def server(ray_machine):
     started = Server("--services", "ray", replicas=1)
     yield started
-    if started.process.poll() is None:
-        started.process.send_signal(signal.SIGTERM)
-        try:
-            started.process.wait(60)
-        except subprocess.TimeoutExpired:
-            started.process.kill()
+    started.stop()
 
 
 @pytest.fixture(scope="module")
 def expected():
-    llm = LLM(**MODEL)
-    out = llm.generate([PROMPT], SamplingParams(max_tokens=32, temperature=0))[0].outputs[0]
-    llm.close()
-    return out
+    return offline_completion()
 
 
 def drafts_so_far(http: httpx.Client) -> float:

@@ -17,7 +17,7 @@ import multiprocessing
 
 import pytest
 import torch
-from engine_helpers import make_pair, random_prompts
+from engine_helpers import DraftRecorder, make_pair, random_prompts
 
 from drafter_service.assembler import DrafterArgs, DrafterAssembler
 from kvpool_service.assembler import PoolArgs, build_pool
@@ -67,24 +67,6 @@ class PipeDraftControl:
 
     def propose(self, num_seqs: int, num_draft: int, num_block_cols: int) -> None:
         self._call("propose", num_seqs, num_draft, num_block_cols)
-
-
-class DraftRecorder:
-    """Wraps a DraftControl; keeps every proposal as read back from the target's step buffers."""
-
-    def __init__(self, inner, buffers):
-        self.inner, self.buffers, self.drafts = inner, buffers, []
-        self.block_size = inner.block_size
-
-    def store_context(self, num_rows: int) -> None:
-        self.inner.store_context(num_rows)
-
-    def settle(self) -> None:
-        self.inner.settle()
-
-    def propose(self, num_seqs: int, num_draft: int, num_block_cols: int) -> None:
-        self.inner.propose(num_seqs, num_draft, num_block_cols)
-        self.drafts.append(self.buffers.draft_tokens[:num_seqs, :num_draft].tolist())
 
 
 def _drafter_process(args: DrafterArgs, pool_handle, conn) -> None:
