@@ -47,8 +47,14 @@ class RemoteEngine:
         return max(0, self._in_flight - self.max_num_seqs)
 
     def check(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """The target's own refusal (ValueError) of a request that could never run."""
-        self.services.check(prompt_token_ids, params)
+        """The target's own refusal (ValueError) of a request that could never run; EngineDead when
+        the target cannot answer (it died and is not back within its start-up time)."""
+        from target_service.ray_services import ServiceFailed
+
+        try:
+            self.services.check(prompt_token_ids, params)
+        except ServiceFailed as error:
+            raise EngineDead(str(error)) from None
 
     def snapshot(self) -> EngineSnapshot:
         state = self.services.snapshot()

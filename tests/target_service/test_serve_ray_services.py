@@ -4,7 +4,10 @@ replica) for the module; the offline in-process `LLM` is the reference."""
 
 from __future__ import annotations
 
+import os
 import signal
+import subprocess
+import threading
 import time
 
 import httpx
@@ -66,6 +69,31 @@ def test_the_admin_port_is_the_pool_actors_and_a_dropped_stream_frees_its_pages(
         time.sleep(0.1)
     usage = admin.stats()
     assert held > 0 and usage.num_used_blocks == 0 and usage.num_seqs == 0
+
+
+def test_a_dead_target_fails_its_requests_with_503_and_the_restarted_one_serves(server, expected):
+    with httpx.Client(base_url=server.url, timeout=120) as http:
+        replies = []
+        body = {"prompt": PROMPT, "max_tokens": 400, "ignore_eos": True}
+        worker = threading.Thread(target=lambda: replies.append(http.post("/v1/completions", json=body)))
+        worker.start()
+        admin = server.admin(0)
+        deadline = time.monotonic() + 30
+        while not admin.stats().num_seqs and time.monotonic() < deadline:
+            time.sleep(0.05)
+        target_pids = subprocess.run(["pgrep", "-f", "ray::TargetService"], capture_output=True,
+                                     text=True).stdout.split()
+        assert len(target_pids) == 1, target_pids
+        os.kill(int(target_pids[0]), signal.SIGKILL)
+        worker.join(120)
+        failed = replies[0]
+        assert failed.status_code == 503 and "target service died" in failed.json()["error"]["message"]
+        reply = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 32, "temperature": 0})
+        assert reply.status_code == 200 and reply.json()["choices"][0]["text"] == expected.text
+    deadline = time.monotonic() + 20  # the restarted target released what the dead one held
+    while admin.stats().num_seqs and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert admin.stats().num_used_blocks == 0
 
 
 def test_sigterm_stops_the_server_and_its_actors(server):
