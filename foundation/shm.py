@@ -34,6 +34,9 @@ logger = logging.getLogger(__name__)
 
 SHM_DIR = Path("/dev/shm")
 FILE_PREFIX = "dflash-pool-"
+# Every file an `OwnedFile` may be named with: pools, step buffers, step channels. A dead target
+# leaves its step buffers and channel behind as a dead pool leaves its pages; one sweep takes all.
+SWEPT_PREFIXES = (FILE_PREFIX, "dflash-step-", "dflash-channel-")
 
 
 def pool_file_name(epoch: int) -> str:
@@ -114,12 +117,13 @@ def map_file(path: Path, nbytes: int) -> torch.Tensor:
 
 
 def sweep_stale_files(directory: Path = SHM_DIR) -> list[Path]:
-    """Remove pool files whose owner is dead (nobody holds their lock); return what was removed.
+    """Remove the files of dead owners (pools, step buffers, step channels: nobody holds their lock);
+    return what was removed.
 
     Safe to run at any time from any process: a live owner's lock makes its file untouchable.
     """
     removed = []
-    for path in sorted(directory.glob(f"{FILE_PREFIX}*")):
+    for path in sorted(p for prefix in SWEPT_PREFIXES for p in directory.glob(f"{prefix}*")):
         try:
             fd = os.open(path, os.O_RDONLY)
         except (FileNotFoundError, PermissionError):
@@ -132,7 +136,7 @@ def sweep_stale_files(directory: Path = SHM_DIR) -> list[Path]:
         try:
             os.unlink(path)
             removed.append(path)
-            logger.warning("removed pool file %s left behind by a dead owner", path)
+            logger.warning("removed %s, left behind by a dead owner", path)
         except FileNotFoundError:
             pass
         finally:
