@@ -104,14 +104,15 @@ def replica_server(serve_args) -> Iterator[tuple[str, object]]:
     from target_service.replica import Replica
 
     replica = Replica(serve_args)
+    slot = ServerSlot()
     try:
-        slot = ServerSlot()
         slot.rank = 0
         slot.install(replica.server)
         with http_server(create_app(slot)) as url:
             yield url, replica
     finally:
         replica.close()
+        slot.clear()  # else the routes, cached by FastAPI for the process's life, keep the engine
 
 
 def serve_args(mode: Mode, target: Path, drafter: Path, options: argparse.Namespace):

@@ -34,6 +34,7 @@ class ServerSlot:
     def __init__(self, name: str | None = None):
         self.name = name
         self._server: OpenAIServer | None = None
+        self._closed = False
         self.rank: int | None = None  # the Ray Serve replica's rank, named in X-Dflash-Replica
 
     def __reduce__(self):
@@ -43,11 +44,19 @@ class ServerSlot:
 
     def install(self, server: OpenAIServer) -> None:
         self._server = server
+        self._closed = False
+
+    def clear(self) -> None:
+        """Let go of the server once its replica closed. The routes hold this slot for as long as
+        FastAPI's module-level caches hold the routes (the whole process), so a slot that kept its
+        server would keep the engine, its weights and its pool in memory after close."""
+        self._server, self._closed = None, True
 
     @property
     def server(self) -> OpenAIServer:
         if self._server is None:
-            raise ApiError.unavailable(1, "the model is still loading")
+            raise ApiError.unavailable(1, "this replica has shut down" if self._closed
+                                       else "the model is still loading")
         return self._server
 
 

@@ -95,6 +95,7 @@ class DFlashReplica:
         replica = getattr(self, "replica", None)
         if replica is not None:
             replica.close(DRAIN_TIMEOUT_S)
+            SLOT.clear()
 
 
 def _rank(context, which: str = "rank") -> int:

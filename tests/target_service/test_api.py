@@ -171,3 +171,20 @@ def test_a_draining_server_answers_503_with_retry_after_and_fails_its_health_pro
     error, health = asyncio.run(main())
     assert error.status_code == 503 and error.response.headers["retry-after"] == "1"
     assert error.body["code"] == "service_unavailable" and health.status_code == 503
+
+
+def test_an_empty_slot_answers_503_loading_then_shut_down_once_cleared():
+    slot = ServerSlot()
+    app = create_app(slot)
+
+    async def completion_error():
+        with pytest.raises(openai.InternalServerError) as unavailable:
+            await client(app).completions.create(model="dflash-demo", prompt="x", max_tokens=2)
+        return unavailable.value
+
+    loading = asyncio.run(completion_error())
+    assert loading.status_code == 503 and "still loading" in loading.body["message"]
+    slot.install(object())  # what the routes would call is never reached: the slot is cleared first
+    slot.clear()
+    closed = asyncio.run(completion_error())
+    assert closed.status_code == 503 and "shut down" in closed.body["message"]
