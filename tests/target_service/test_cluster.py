@@ -272,3 +272,48 @@ def test_on_a_shared_cluster_only_this_application_is_deployed_and_deleted(clust
             assert http.get("/v1/models").status_code == 404  # our application is gone ...
             other = http.get("/other")  # ... and only ours: Serve still runs the other one
             assert (other.status_code, other.text) == (200, "other")
+
+
+SERVICES_DRIVER = """
+import json, sys
+from ray.util.placement_group import placement_group_table
+from target_service.demo import resolve_pair
+from target_service.engine_args import EngineArgs
+from target_service.ray_services import RayServices
+from target_service.sampling_params import SamplingParams
+
+target, drafter = resolve_pair(None, None)
+args = EngineArgs(target=target, drafter=drafter, device="cpu", dtype="float32", kv_cache_memory="16MiB",
+                  max_model_len=512, max_num_seqs=4)
+services = RayServices(args, address=sys.argv[1]).start()
+try:
+    prompt = json.loads(sys.argv[2])
+    out = services.generate([prompt], [SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)])[0]
+    nodes = placement_group_table(services.placement)["bundles_to_node_id"]
+    print(json.dumps({"tokens": out.token_ids, "nodes": sorted(nodes.values()), "pids": services.pids()}))
+finally:
+    services.close()
+"""
+
+
+@pytest.mark.slow
+def test_ray_services_join_a_cluster_and_pack_their_three_actors_on_one_node(cluster):
+    """The trio on a running cluster (`address`): one STRICT_PACK placement group, its three bundles
+    on one worker node (the head has no CPUs for them), and the in-process engine's tokens."""
+    import json
+
+    from target_service.llm import LLM
+    from target_service.sampling_params import SamplingParams
+
+    prompt = list(range(40, 72))
+    driver = subprocess.run([sys.executable, "-c", SERVICES_DRIVER, cluster.address, json.dumps(prompt)],
+                            env=driver_env(), capture_output=True, text=True, timeout=240)
+    assert driver.returncode == 0, driver.stderr[-3000:]
+    result = json.loads(driver.stdout.strip().splitlines()[-1])
+    assert len(result["nodes"]) == 3 and len(set(result["nodes"])) == 1
+    assert result["nodes"][0] in cluster.worker_ids()
+    assert len(set(result["pids"].values())) == 3
+    llm = LLM(device="cpu", dtype="float32", kv_cache_memory="16MiB", max_model_len=512, max_num_seqs=4)
+    expected = llm.generate([prompt], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
+    llm.close()
+    assert result["tokens"] == expected[0].outputs[0].token_ids
