@@ -127,9 +127,11 @@ class StepBuffers:
 
     # ---- the target's side: stage one step ------------------------------------------------------
 
-    def stage_context(self, taps: torch.Tensor, positions: list[int], seq_slots: list[int],
-                      slots: list[int]) -> int:
-        """Write the context side's first N rows (taps [N, tap_width]); returns N."""
+    def stage_context(self, taps: torch.Tensor, positions, seq_slots, slots) -> int:
+        """Write the context side's first N rows (taps [N, tap_width]); returns N.
+
+        positions, seq_slots, slots: N ints each, as lists or as integer tensors (on the buffers'
+        device they are copied there without a trip through the host)."""
         count = taps.shape[0]
         self.check_context_rows(count)
         if taps.dim() != 2 or taps.shape[1] != self.layout.tap_width:
@@ -157,8 +159,11 @@ class StepBuffers:
         self.block_table[:count, :columns].copy_(torch.tensor(padded, dtype=torch.int32))
         return columns
 
-    def _write(self, field: torch.Tensor, values: list[int]) -> None:
-        field[:len(values)].copy_(torch.tensor(values, dtype=field.dtype))
+    def _write(self, field: torch.Tensor, values) -> None:
+        if isinstance(values, torch.Tensor):
+            field[:values.shape[0]].copy_(values)
+        else:
+            field[:len(values)].copy_(torch.tensor(values, dtype=field.dtype))
 
     # ---- checks both sides make -------------------------------------------------------------------
 

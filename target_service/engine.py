@@ -140,13 +140,14 @@ class LLMEngine:
         scheduled = _scheduled(plan)
         drafts = self._propose(plan.decodes, scheduled)
         chunks, rows = self._chunks(plan, drafts)
-        output = self._forward(pack(chunks, self.tokens_per_block, self.device), plan, drafts)
+        batch = pack(chunks, self.tokens_per_block, self.device)
+        output = self._forward(batch, plan, drafts)
         greedy = self._greedy_tokens(output.logits, plan)
         context_rows = [self._accept(work, drafts.get(work.seq.seq_id), output, rows[work.seq.seq_id], greedy)
                         for work in plan.decodes]
         context_rows += [self._finish_prefill(chunk, output, rows[chunk.seq.seq_id], greedy)
                          for chunk in plan.prefills]
-        self._store_context(output.taps, context_rows, scheduled)
+        self._store_context(batch, output.taps, context_rows, scheduled)
         self.scheduler.commit([seq for seq in scheduled if not seq.finish_reason])
         finished = [seq for seq in scheduled if seq.finish_reason]
         self.scheduler.finish(finished)
@@ -236,23 +237,38 @@ class LLMEngine:
             self._emit(seq, self._target_tokens(seq, output.logits, rows.logits, greedy))
         return seq, chunk.start, rows.taps, chunk.num_tokens
 
-    def _store_context(self, taps: torch.Tensor, context_rows, scheduled: list[Sequence]) -> None:
+    def _store_context(self, batch: ForwardBatch, taps: torch.Tensor, context_rows,
+                       scheduled: list[Sequence]) -> None:
         """One drafter call: every tap row of the step, rows past an accepted prefix (and rows of
-        sequences whose context has a gap) skipped."""
+        sequences whose context has a gap) skipped.
+
+        The rows' positions and pool slots are the forward's own (`batch`), so they are selected on
+        the device: per sequence only its row count, kept prefix and slot cross to it (one copy),
+        not a per-row list built on the host.
+        """
         if self.drafter is None or taps.shape[0] == 0 or not any(seq.has_context for seq in scheduled):
             return
-        num_rows, tpb = taps.shape[0], self.tokens_per_block
-        positions, seq_slots, slots = [0] * num_rows, [0] * num_rows, [PAD_SLOT] * num_rows
-        for seq, start, tap_rows, keep in context_rows:
-            keep = keep if seq.has_context else 0
-            for offset, row in enumerate(range(tap_rows.start, tap_rows.stop)):
-                position = start + offset
-                positions[row], seq_slots[row] = position, seq.slot
-                if offset < keep:
-                    slots[row] = seq.block_table[position // tpb] * tpb + position % tpb
+        num_rows = taps.shape[0]
+        counts, keeps, seq_slots = [], [], []
+        for seq, _, tap_rows, keep in context_rows:
+            counts.append(tap_rows.stop - tap_rows.start)
+            keeps.append(keep if seq.has_context else 0)
+            seq_slots.append(seq.slot)
+        if sum(counts) != num_rows:
+            raise RuntimeError(f"the step's sequences own {sum(counts)} tap rows; the forward returned "
+                               f"{num_rows}")
+        per_seq = torch.tensor([counts, keeps, seq_slots], dtype=torch.int64).to(self.device)
+        counts_d, keeps_d, slots_d = per_seq
+        owner = torch.repeat_interleave(torch.arange(len(counts), device=self.device), counts_d,
+                                        output_size=num_rows)
+        first_row = torch.cumsum(counts_d, 0) - counts_d
+        offset = torch.arange(num_rows, device=self.device) - first_row[owner]
+        rows = batch.tap_indices
+        slots = torch.where(offset < keeps_d[owner], batch.slot_mapping[rows], PAD_SLOT)
         try:
             self.drafter.settle()  # the last step's context may still be read from the buffers
-            self.drafter.store_context(self.step_buffers.stage_context(taps, positions, seq_slots, slots))
+            self.drafter.store_context(
+                self.step_buffers.stage_context(taps, batch.positions[rows], slots_d[owner], slots))
         except DrafterUnavailable as error:
             self._lose_context(scheduled, error)
 

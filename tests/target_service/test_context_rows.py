@@ -1,0 +1,67 @@
+"""The context rows a step stages for the drafter, checked row by row against the sequences.
+
+The engine selects them on the device from the forward's own positions and slots; here each staged
+row is checked independently, from the sequence that owns its slot: a kept row sits at a position
+the target has committed (below num_computed after acceptance), in the pool slot the sequence's
+block table gives that position; a skipped row (PAD_SLOT) lies past the accepted prefix. Every
+committed position is stored exactly once.
+"""
+
+from __future__ import annotations
+
+import pytest
+from engine_helpers import make_pair, random_prompts
+
+from kernels import PAD_SLOT
+from target_service.llm import LLM
+from target_service.sampling_params import SamplingParams
+
+
+class ContextChecker:
+    def __init__(self, llm: LLM):
+        self.inner, self.engine = llm.engine.drafter, llm.engine
+        self.block_size = self.inner.block_size
+        self.stored: dict[int, list[int]] = {}
+        self.kept = self.skipped = 0
+        llm.engine.drafter = self
+
+    def settle(self):
+        self.inner.settle()
+
+    def propose(self, *args):
+        self.inner.propose(*args)
+
+    def store_context(self, num_rows: int) -> None:
+        buffers, tpb = self.engine.step_buffers, self.engine.tokens_per_block
+        by_slot = {seq.slot: seq for seq in self.engine.scheduler.running}
+        rows = zip(buffers.context_positions[:num_rows].tolist(),
+                   buffers.context_seq_slots[:num_rows].tolist(), buffers.context_slots[:num_rows].tolist())
+        for position, seq_slot, slot in rows:
+            seq = by_slot[seq_slot]
+            if slot == PAD_SLOT:
+                assert position >= seq.num_computed, (position, seq.num_computed)
+                self.skipped += 1
+                continue
+            assert position < seq.num_computed
+            assert slot == seq.block_table[position // tpb] * tpb + position % tpb
+            self.stored.setdefault(seq.seq_id, []).append(position)
+            self.kept += 1
+        self.inner.store_context(num_rows)
+
+
+@pytest.mark.parametrize("storage", ["paged", "dense"])
+def test_staged_context_rows_are_the_committed_positions_in_their_own_slots(tmp_path, storage):
+    target, drafter = make_pair(tmp_path)
+    llm = LLM(str(target), str(drafter), device="cpu", dtype="float32", kv_cache_memory="4MiB",
+              tokens_per_block=16, max_num_seqs=5, max_model_len=256, max_num_batched_tokens=48,
+              num_speculative_tokens=7, context_storage=storage, enable_prefix_caching=False)
+    checker = ContextChecker(llm)
+    prompts = random_prompts(7, 160, low=5, high=90)  # chunked prefills beside verify blocks
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
+    llm.close()
+    assert checker.kept > 0 and checker.skipped > 0
+    # every request stored its whole history but the newest token (never run through the target)
+    expected = sorted(len(out.prompt_token_ids) + len(out.outputs[0].token_ids) - 1 for out in outputs)
+    assert sorted(len(positions) for positions in checker.stored.values()) == expected
+    for positions in checker.stored.values():
+        assert positions == list(range(len(positions)))  # each committed position once, in order
