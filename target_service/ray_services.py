@@ -27,6 +27,7 @@ import torch
 
 from drafter_service.assembler import DrafterArgs
 from drafter_service.service import DrafterService
+from kvpool_service.assembler import size_pool
 from kvpool_service.service import KVPoolService, PoolInfo
 from target_service.engine_args import EngineArgs
 from target_service.ray_runtime import NAMESPACE, start_ray
@@ -44,6 +45,10 @@ GPU_SHARE = 0.33  # three actors on one GPU
 def service_bundle(device_type: str) -> dict[str, float]:
     """The placement-group bundle of one service actor: a share of a CPU and of the GPU."""
     return {"CPU": CPUS_PER_ACTOR} | ({"GPU": GPU_SHARE} if device_type == "cuda" else {})
+
+
+class ServiceStartError(RuntimeError):
+    """A service actor could not start (its constructor or start-up raised); the message is its error."""
 
 
 class ServiceFailed(RuntimeError):
@@ -168,17 +173,35 @@ class RayServices:
                 cuda_graph_sizes=args.cuda_graph_sizes)
             self.drafter = ray.remote(DrafterService).options(**self._options(names.drafter, 1)).remote(
                 drafter_args)
-            ray.get(self.drafter.describe.remote(), timeout=timeout_s)  # weights in before the budget
+            # the drafter's weights are in before the target measures what memory is left
+            self._started(self.drafter.describe.remote(), "drafter", timeout_s)
         extra = {} if self.lease_tokens is None else {"lease_tokens": self.lease_tokens}
         self.target = ray.remote(self.target_class).options(**self._options(names.target, 2)).remote(
             args.model_copy(update={"device": self._device_name()}), RayPeers(names),
             pool_token=self.pool_token, **extra)
-        pool_args = ray.get(self.target.pool_args.remote(), timeout=timeout_s)
+        pool_args = self._started(self.target.pool_args.remote(), "target", timeout_s)
+        size_pool(pool_args.spec, pool_args.budget_bytes, context_storage=pool_args.context_storage,
+                  max_num_seqs=pool_args.max_num_seqs, max_model_len=pool_args.max_model_len)  # refused here
         pool_options = self._options(names.kvpool, 0, max_task_retries=-1)  # its calls are idempotent
         self.pool = ray.remote(KVPoolService).options(**pool_options).remote(
             pool_args, host=self.pool_host, port=self.pool_port, token=self.pool_token)
-        ray.get(self.target.start.remote(), timeout=timeout_s)
+        self._started(self.target.start.remote(), "target", timeout_s)
         logger.info("services of replica %d up: %s", names.replica, self.pids())
+
+    def _started(self, ref, what: str, timeout_s: float):
+        """ray.get of a start-up call; an actor that could not start is one line naming its error."""
+        import ray
+        from ray.exceptions import GetTimeoutError, RayError
+
+        try:
+            return ray.get(ref, timeout=timeout_s)
+        except GetTimeoutError:
+            raise ServiceStartError(f"the {what} service of replica {self.names.replica} did not start "
+                                    f"within {timeout_s:g} s") from None
+        except RayError as error:
+            lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
+            raise ServiceStartError(f"the {what} service of replica {self.names.replica} could not start: "
+                                    f"{lines[-1] if lines else type(error).__name__}") from None
 
     def _device_name(self) -> str:
         """Every actor sees its one GPU as cuda:0 (Ray sets CUDA_VISIBLE_DEVICES per actor)."""

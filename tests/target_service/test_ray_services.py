@@ -264,10 +264,22 @@ def test_admin_stats_and_health_answer_on_the_pool_actors_port(ray_local, pair, 
         services.close()
 
 
-def test_ray_services_refuse_bad_input_with_one_line_errors(ray_local, pair):
+def test_ray_services_refuse_bad_input_with_one_line_errors(ray_local, pair, tmp_path):
     target, drafter = pair
     with pytest.raises(ValueError, match="services must be 'inprocess' or 'ray'"):
         LLM(str(target), str(drafter), services="grpc", **SETTINGS)
+
+    from target_service.engine_args import EngineArgs
+    from target_service.ray_services import RayServices, ServiceStartError
+
+    with pytest.raises(ValueError, match=r"holds 0 blocks.*give more kv_cache_memory"):
+        start_trio(target, drafter, **dict(SETTINGS, kv_cache_memory="4KiB"))
+    bad = tmp_path / "not-a-drafter"
+    bad.mkdir()
+    args = EngineArgs(target=str(target), drafter=str(bad), **SETTINGS)
+    refused = r"drafter service of replica \d+ could not start: .*no such config"
+    with pytest.raises(ServiceStartError, match=refused):
+        RayServices(args, replica=next(_replicas)).start()
     services = start_trio(target, drafter, **SETTINGS)
     try:
         with pytest.raises(ValueError, match="outside the vocabulary"):
