@@ -25,8 +25,10 @@ RETRY_AFTER_S = 0.5  # a failed re-attach (the actor was not restarted yet) is a
 
 
 class DrafterLink:
-    def __init__(self, control, reattach: Callable[[], Future], *, block_size: int):
+    def __init__(self, control, reattach: Callable[[], Future], *, block_size: int,
+                 clock: Callable[[], float] = time.monotonic):
         """control: a ChannelDraftControl; reattach: asks the drafter to attach to our buffers again."""
+        self.clock = clock
         self.control = control
         self.reattach = reattach
         self._block_size = block_size
@@ -67,7 +69,7 @@ class DrafterLink:
     def _poll(self) -> bool:
         """Whether a re-attach finished (without waiting for one that has not)."""
         if self._pending is None:
-            if time.monotonic() < self._retry_at:
+            if self.clock() < self._retry_at:
                 return False
             self._ask()
         if not self._pending.done():
@@ -76,7 +78,7 @@ class DrafterLink:
             self._pending.result()
         except Exception as error:  # not restarted yet, or the attach failed: ask again later
             logger.info("re-attaching the drafter failed (%s); retrying", error)
-            self._pending, self._retry_at = None, time.monotonic() + RETRY_AFTER_S
+            self._pending, self._retry_at = None, self.clock() + RETRY_AFTER_S
             return False
         self._pending = None
         self.available = True
