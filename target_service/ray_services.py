@@ -135,7 +135,6 @@ class RayServices:
     # ---- lifecycle ----------------------------------------------------------------------------------
 
     def start(self, timeout_s: float = STARTUP_TIMEOUT_S) -> RayServices:
-        import ray
         from ray.util.placement_group import placement_group
 
         self.started_ray = start_ray(self.address)
@@ -144,12 +143,23 @@ class RayServices:
                 bundles = [service_bundle(self.device.type)] * 3
                 self.placement = placement_group(bundles, strategy="STRICT_PACK",
                                                  name=f"dflash-services-{self.names.replica}")
-            ray.get(self.placement.ready(), timeout=timeout_s)
+            self._wait_for_placement(timeout_s)
             self._start_actors(timeout_s)
         except BaseException:
             self.close()
             raise
         return self
+
+    def _wait_for_placement(self, timeout_s: float) -> None:
+        import ray
+        from ray.exceptions import GetTimeoutError
+
+        try:
+            ray.get(self.placement.ready(), timeout=timeout_s)
+        except GetTimeoutError:
+            raise ServiceStartError(
+                f"no node had room for the services of replica {self.names.replica} within {timeout_s:g} s "
+                f"(three bundles of {service_bundle(self.device.type)} on one node)") from None
 
     def _options(self, name: str, service: int, **extra) -> dict:
         """Actor options of service 0 (pool), 1 (drafter) or 2 (target): its bundle, name, restarts."""
