@@ -193,6 +193,17 @@ def hf_case(model, batch: int, context: int, k: int, vocab: int, steps: int, see
     return {"decode": _spread(decode[1:]), "verify": _spread(verify[1:])}
 
 
+def random_pair_for(args) -> tuple[torch.device, str, Path, Path]:
+    """The device (--device, else cuda when there is one), the dtype (--dtype, else bf16 on a GPU
+    and fp32 on CPU) and the random pair of --geometry written (once) under --checkpoints."""
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
+    started = time.perf_counter()
+    target, drafter = write_random_pair(Path(args.checkpoints), args.geometry, dtype=dtype, seed=args.seed)
+    logger.info("checkpoints ready in %.1f s", time.perf_counter() - started)
+    return device, dtype, target, drafter
+
+
 def _fits(batch: int, context: int, steps: int, k: int, limits) -> bool:
     """Whether B sequences of C tokens and the steps' new tokens fit the pool without preemption.
     The first prompts may decode while the last ones prefill (a token budget below B x C), so a
@@ -225,11 +236,7 @@ def main(argv: list[str] | None = None) -> None:
     logger.setLevel(logging.INFO)
     from target_service.llm import LLM
 
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
-    started = time.perf_counter()
-    target, drafter = write_random_pair(Path(args.checkpoints), args.geometry, dtype=dtype, seed=args.seed)
-    logger.info("checkpoints ready in %.1f s", time.perf_counter() - started)
+    device, dtype, target, drafter = random_pair_for(args)
     max_context = max(args.contexts)
     result = {
         "name": args.name,

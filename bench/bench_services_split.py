@@ -33,8 +33,7 @@ from pathlib import Path
 
 import torch
 
-from bench.bench_e2e_checkpoints import write_random_pair
-from bench.bench_e2e_step import SimulatedAcceptance, _device_name, _sync, _timed_steps
+from bench.bench_e2e_step import SimulatedAcceptance, _device_name, _sync, _timed_steps, random_pair_for
 from target_service.service import TargetService
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -123,9 +122,7 @@ def main(argv: list[str] | None = None) -> None:
     from target_service.llm import LLM
     from target_service.ray_services import RayServices
 
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
-    target, drafter = write_random_pair(Path(args.checkpoints), args.geometry, dtype=dtype, seed=args.seed)
+    device, dtype, target, drafter = random_pair_for(args)
     max_model_len = args.context + 4 * (args.steps + 2) * 16 + 64
     settings = dict(device=str(device), dtype=dtype, enable_prefix_caching=False,
                     max_num_seqs=max(args.batch_sizes), max_model_len=max_model_len,
