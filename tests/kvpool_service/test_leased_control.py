@@ -96,7 +96,7 @@ class Workload:
         if self.finished and rng.random() < 0.5:
             tokens = rng.choice(self.finished)
             tail = [rng.randrange(10) for _ in range(rng.randint(0, 3))]
-            return tokens[: rng.randint(1, len(tokens))] + tail
+            return (tokens[: rng.randint(1, len(tokens))] + tail)[:MAX_LEN]  # a prompt fits max_model_len
         base = rng.choice(BASES)
         return base[: rng.randint(1, len(base))] + [rng.randrange(10) for _ in range(rng.randint(0, 9))]
 
