@@ -38,6 +38,7 @@ logger = logging.getLogger(__name__)
 
 STARTUP_TIMEOUT_S = 600.0
 POOL_WAIT_S = 120.0
+CLOSE_TIMEOUT_S = 30.0  # a target drains its running requests first
 CPUS_PER_ACTOR = 0.25  # the actors mostly wait on each other or the GPU; CI machines have 2 cores
 GPU_SHARE = 0.33  # three actors on one GPU
 
@@ -237,6 +238,12 @@ class RayServices:
 
         if not ray.is_initialized():
             return
+        for actor in (self.target, self.drafter, self.pool):  # each releases its files and ports first
+            if actor is not None:
+                try:
+                    ray.get(actor.close.remote(), timeout=CLOSE_TIMEOUT_S)
+                except Exception as error:  # dead, or never started: the sweep takes its files
+                    logger.debug("close: %s", error)
         for actor in (self.target, self.drafter, self.pool):
             if actor is not None:
                 try:
