@@ -30,15 +30,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import datetime
 import logging
-import socket
 import subprocess
 import sys
-import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,10 +47,9 @@ from bench.bench_serve import (
     run_setting,
     send_request,
 )
+from bench.serve_in_process import TRANSPORT, memory_allocated, release_device, replica_server
 
 RESULTS = Path(__file__).resolve().parent / "results"
-TRANSPORT = "h11 over asyncio"  # uvicorn's pure-Python protocol and loop: the carried wheels hold no more
-STARTUP_TIMEOUT_S = 60.0
 logger = logging.getLogger("bench_serve_modes")
 
 
@@ -67,52 +62,6 @@ class Mode:
 
 MODES = {mode.name: mode for mode in (Mode("plain", False), Mode("dense", True, "dense"),
                                       Mode("paged", True))}
-
-
-# ---- the server side: a Replica behind the real app, under uvicorn in a thread ----------------------
-
-@contextlib.contextmanager
-def http_server(app) -> Iterator[str]:
-    """`app` under uvicorn on a free port of 127.0.0.1, in a background thread; yields the base URL."""
-    import uvicorn
-
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    config = uvicorn.Config(app, loop="asyncio", http="h11", lifespan="off", log_level="warning",
-                            access_log=False, timeout_graceful_shutdown=5)
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="uvicorn", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while not server.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
-            raise RuntimeError("uvicorn did not start")
-        time.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(STARTUP_TIMEOUT_S)
-        sock.close()
-
-
-@contextlib.contextmanager
-def replica_server(serve_args) -> Iterator[tuple[str, object]]:
-    """A `Replica` of `serve_args` installed in a slot (as `deploy.DFlashReplica` does) behind
-    `create_app(slot)`; yields (URL, replica); closes the replica on the way out."""
-    from target_service.api import ServerSlot, create_app
-    from target_service.replica import Replica
-
-    replica = Replica(serve_args)
-    slot = ServerSlot()
-    try:
-        slot.rank = 0
-        slot.install(replica.server)
-        with http_server(create_app(slot)) as url:
-            yield url, replica
-    finally:
-        replica.close()
-        slot.clear()  # else the routes, cached by FastAPI for the process's life, keep the engine
 
 
 def serve_args(mode: Mode, target: Path, drafter: Path, options: argparse.Namespace):
@@ -242,17 +191,6 @@ def checkpoints(options: argparse.Namespace) -> tuple[Path, Path, dict]:
     return target, drafter, {"origin": f"random {options.geometry} weights, {dtype}", "random_weights": True}
 
 
-def release_device() -> None:
-    """Free what the last engine left: garbage, then the CUDA caching allocator's blocks."""
-    import gc
-
-    import torch
-
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
 def device_facts(options: argparse.Namespace) -> dict:
     import torch
 
@@ -261,12 +199,6 @@ def device_facts(options: argparse.Namespace) -> dict:
     on_cuda = torch.cuda.is_available() and options.device != "cpu"
     name = torch.cuda.get_device_name() if on_cuda else f"cpu ({torch.get_num_threads()} threads)"
     return {"device": name, "torch": torch.__version__, "host": client_machine()}
-
-
-def memory_allocated() -> int:
-    import torch
-
-    return torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
 
 
 def run_serve(doc: dict, target: Path, drafter: Path, options, deadline, save) -> None:

@@ -126,7 +126,7 @@ def test_a_closed_replica_leaves_nothing_of_its_engine_in_memory():
 
     import httpx
 
-    from bench.bench_serve_modes import replica_server
+    from bench.serve_in_process import replica_server
     from target_service.serve_args import ServeArgs
 
     args = ServeArgs(device="cpu", dtype="float32", kv_cache_memory="16MiB", max_model_len=512,
