@@ -26,8 +26,7 @@ call, so neither the compiler nor the interpreter reorders them, and x86-64 (tot
 keeps stores in program order as seen by another core and loads in program order. A weaker memory
 model (aarch64) would need explicit fences between the request and its seq; none is issued here.
 
-Liveness, by locks rather than pids (immune to zombies, pid reuse and pid namespaces, as in
-`foundation.shm`): the owner holds an exclusive `flock` on the file; the attached server holds an
+Liveness, by locks rather than pids (`foundation.liveness_locks`): the owner holds an exclusive `flock` on the file; the attached server holds an
 open-file-description lock (F_OFD_SETLK) on its first byte. Each side checks the other's lock
 every CHECK_INTERVAL_S while it waits and raises `PeerGone` when it is free: a killed server is
 noticed within milliseconds instead of hanging the target. A second server cannot attach while
@@ -51,11 +50,9 @@ stream before signalling, the server's current stream waits on it before the han
 
 from __future__ import annotations
 
-import fcntl
 import logging
 import os
 import platform
-import struct
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -66,6 +63,7 @@ import torch
 
 from foundation import futex
 from foundation.cuda_ipc_events import IpcEventPair, IpcEventPairHandle
+from foundation.liveness_locks import owner_alive, peer_alive, take_peer_lock
 from foundation.shm import SHM_DIR, OwnedFile, map_file
 
 logger = logging.getLogger(__name__)
@@ -85,8 +83,6 @@ STATUS_OK, STATUS_ERROR = 0, 1
 SPIN_S = 100e-6  # poll a word this long (yielding the CPU each time) before blocking on its futex
 CHECK_INTERVAL_S = 2e-3  # how often a waiter checks its peer's lock (and a server should_stop)
 _INT64 = (-(2**63), 2**63 - 1)
-_FLOCK = struct.Struct("hhqqi4x")  # struct flock on 64-bit Linux: type, whence, start, len, pid
-_SERVER_LOCK = (0, 1)  # (start, len) of the byte the server's OFD lock covers
 
 Handler = Callable[[int, tuple[int, ...]], "int | None"]  # (opcode, args) -> result
 
@@ -288,10 +284,7 @@ class StepChannel:
                 os.sched_yield()
 
     def _server_alive(self) -> bool:
-        """Whether some open file description holds the server's lock (F_OFD_GETLK finds it)."""
-        probe = _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, *_SERVER_LOCK, 0)
-        l_type = _FLOCK.unpack(fcntl.fcntl(self._fd, fcntl.F_OFD_GETLK, probe))[0]
-        return l_type != fcntl.F_UNLCK
+        return peer_alive(self._fd)
 
     def _message(self) -> str:
         length = min(int(self._words[_MESSAGE_LEN]), MESSAGE_BYTES)
@@ -318,11 +311,9 @@ class StepChannel:
         try:
             words = buffer.numpy().view(np.int64)
             _check_owner_alive(fd, path, int(words[_CALLER_PID]))
-            try:
-                fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, *_SERVER_LOCK, 0))
-            except BlockingIOError:
+            if not take_peer_lock(fd):
                 raise RuntimeError(f"step channel {path} already has a live server (pid "
-                                   f"{int(words[_SERVER_PID])}); close it before attaching another") from None
+                                   f"{int(words[_SERVER_PID])}); close it before attaching another")
             events = IpcEventPair.attach(handle.events) if handle.events is not None else None
         except BaseException:
             os.close(fd)
@@ -433,13 +424,8 @@ def _open_channel_file(path: Path, nbytes: int) -> tuple[torch.Tensor, int]:
 
 
 def _check_owner_alive(fd: int, path: Path, owner_pid: int) -> None:
-    """PeerGone unless the owner's exclusive flock is still held (a shared one cannot be taken)."""
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return
-    fcntl.flock(fd, fcntl.LOCK_UN)
-    raise PeerGone(f"step channel owner pid {owner_pid} is gone ({path} is no longer locked)")
+    if not owner_alive(fd):
+        raise PeerGone(f"step channel owner pid {owner_pid} is gone ({path} is no longer locked)")
 
 
 def _truncate_utf8(text: str, limit: int) -> bytes:
