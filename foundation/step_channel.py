@@ -27,8 +27,9 @@ keeps stores in program order as seen by another core and loads in program order
 model (aarch64) would need explicit fences between the request and its seq; none is issued here.
 
 Liveness, by locks rather than pids (`foundation.liveness_locks`): the owner holds an exclusive
-`flock` on the file; the attached server holds an open-file-description lock on its first byte. Each side checks the other's lock
-every CHECK_INTERVAL_S while it waits and raises `PeerGone` when it is free: a killed server is
+`flock` on the file; the attached server holds an open-file-description lock on its first byte.
+Each side checks the other's lock every CHECK_INTERVAL_S while it waits and raises `PeerGone` when
+it is free: a killed server is
 noticed within milliseconds instead of hanging the target. A second server cannot attach while
 one holds the lock; a new server after a death bumps `epoch`, and serves only requests stamped
 with its own epoch, so a request addressed to the dead server is never run by its successor (the
