@@ -8,6 +8,7 @@ over the same checkpoints, in this process.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -164,13 +165,22 @@ def kill_mid_generation(services, prompts, max_tokens: int, which: str) -> list:
     return refs
 
 
-def test_drafter_death_keeps_requests_lossless_and_speculation_resumes(ray_local, pair):
+@contextlib.contextmanager
+def k7_trio_and_reference(pair, num_prompts: int, max_tokens: int):
+    """A K 7 trio, `num_prompts` random prompts and the in-process engine's greedy outputs for them."""
     target, drafter = pair
     settings = dict(SETTINGS, num_speculative_tokens=7)
-    prompts = random_prompts(4, VOCAB)
-    expected = reference(target, drafter, prompts, greedy(120), **settings)
+    prompts = random_prompts(num_prompts, VOCAB)
+    expected = reference(target, drafter, prompts, greedy(max_tokens), **settings)
     services = start_trio(target, drafter, **settings)
     try:
+        yield services, prompts, expected
+    finally:
+        services.close()
+
+
+def test_drafter_death_keeps_requests_lossless_and_speculation_resumes(ray_local, pair):
+    with k7_trio_and_reference(pair, 4, 120) as (services, prompts, expected):
         refs = kill_mid_generation(services, prompts, 120, "drafter")
         results = services._get(refs, timeout=WAIT_S)
         assert [r.token_ids for r in results] == expected
@@ -182,17 +192,10 @@ def test_drafter_death_keeps_requests_lossless_and_speculation_resumes(ray_local
                  "speculation to resume")
         assert services.describe()["drafter_reattached"] >= 1
         assert services.pool_stats().num_used_blocks == 0
-    finally:
-        services.close()
 
 
 def test_pool_death_recomputes_into_the_restarted_pool(ray_local, pair):
-    target, drafter = pair
-    settings = dict(SETTINGS, num_speculative_tokens=7)
-    prompts = random_prompts(4, VOCAB)
-    expected = reference(target, drafter, prompts, greedy(120), **settings)
-    services = start_trio(target, drafter, **settings)
-    try:
+    with k7_trio_and_reference(pair, 4, 120) as (services, prompts, expected):
         epoch = services.pool_info().epoch
         refs = kill_mid_generation(services, prompts, 120, "kvpool")
         results = services._get(refs, timeout=WAIT_S)
@@ -201,27 +204,18 @@ def test_pool_death_recomputes_into_the_restarted_pool(ray_local, pair):
         assert state["pool_recoveries"] >= 1 and state["pool_epoch"] != epoch
         assert services.pool_info().epoch == state["pool_epoch"]
         assert services.pool_stats().num_used_blocks == 0
-    finally:
-        services.close()
 
 
 def test_target_death_fails_its_requests_clearly_and_the_restart_serves(ray_local, pair):
     from target_service.ray_services import ServiceFailed
 
-    target, drafter = pair
-    settings = dict(SETTINGS, num_speculative_tokens=7)
-    prompts = random_prompts(3, VOCAB)
-    expected = reference(target, drafter, prompts, greedy(16), **settings)
-    services = start_trio(target, drafter, **settings)
-    try:
+    with k7_trio_and_reference(pair, 3, 16) as (services, prompts, expected):
         refs = kill_mid_generation(services, random_prompts(4, VOCAB), 200, "target")
         with pytest.raises(ServiceFailed, match=r"target service of replica \d+ died"):
             services._get(refs, timeout=WAIT_S)
         results = services.generate(prompts, [greedy(16)] * len(prompts))  # the restarted target
         assert [r.token_ids for r in results] == expected
         assert services.pool_stats().num_used_blocks == 0  # the dead target's sequences were released
-    finally:
-        services.close()
 
 
 def test_cancelled_requests_leave_no_page_in_use(ray_local, pair):
