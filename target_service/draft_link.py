@@ -1,7 +1,7 @@
 """DrafterLink: the target's DraftControl to a drafter in another process that may die and come back.
 
 Calls go through the shared-memory step channel (`ChannelDraftControl`). When the drafter's process
-is gone (the channel sees its pid vanish) or stops answering, the call raises `DrafterUnavailable`:
+is gone (the channel sees its lock released) or stops answering, the call raises `DrafterUnavailable`:
 the engine finishes that step without speculation and its sequences decode plainly (lossless either
 way). At the same moment the link asks for the drafter to be attached again (`reattach`, which
 returns a future: Ray queues the call until the restarted actor is up) and, from then on, checks

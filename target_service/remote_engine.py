@@ -14,6 +14,7 @@ short; the target's own queue bound still applies behind this one).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import AsyncIterator
 
 from target_service.async_engine import EngineDead, EngineSnapshot, QueueFull, RequestDelta
@@ -91,8 +92,6 @@ class RemoteEngine:
 
     def shutdown(self, timeout: float = 30.0) -> None:
         """Stop taking requests, let those in flight finish, then stop the three services."""
-        import time
-
         self._stopping = True
         deadline = time.monotonic() + timeout
         while self._in_flight and time.monotonic() < deadline:

@@ -8,7 +8,7 @@ own thread and a cancelled call aborts its request, which frees its pages.
 
 Peers are found through a `ServicePeers` (the Ray layer implements it by actor name), so this class
 knows nothing of Ray. Faults it survives:
-- the drafter dies: the step channel sees its pid vanish, the engine goes on without speculation and
+- the drafter dies: the step channel sees its lock released, the engine goes on without speculation and
   the drafter is attached again when Ray has restarted it (`DrafterLink`);
 - the pool dies: the first failed control call finds the restarted pool, the engine moves onto it and
   recomputes its running sequences (`PoolFailover`);
