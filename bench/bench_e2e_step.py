@@ -13,7 +13,7 @@ HF transformers eager over the same checkpoint is timed in the same run (one dec
 sequences after a C-token prefill, and a K+1-token verify), where its dense cache fits.
 
 A random drafter is almost never accepted, so `--simulate-acceptance MEAN` (this benchmark only:
-it replaces the engine's accept function inside this process, and nothing in the package can turn
+it replaces the engine's accepted-lengths function inside this process, and nothing in the package can turn
 it on) draws each step's accepted count from a Poisson around MEAN - 1, capped at K, so the step's
 variable-length paths run at a realistic acceptance and tokens/s is measured, not extrapolated.
 
@@ -49,25 +49,27 @@ def _sync(device: torch.device) -> None:
 
 
 class SimulatedAcceptance:
-    """Replaces `target_service.engine.accept_drafts` in this process: accepted ~ Poisson(MEAN - 1)."""
+    """Replaces `target_service.verify.accepted_lengths` in this process: accepted ~ Poisson(MEAN - 1),
+    capped at each sequence's draft count (drawn on the host, one small copy to the device)."""
 
     def __init__(self, mean: float, seed: int):
-        import target_service.engine as engine_module
+        import target_service.verify as verify_module
 
-        self.module, self.original = engine_module, engine_module.accept_drafts
-        self.rate = torch.tensor(max(mean - 1.0, 0.0))
+        self.module, self.original = verify_module, verify_module.accepted_lengths
+        self.rate = max(mean - 1.0, 0.0)
         self.generator = torch.Generator().manual_seed(seed)
 
-    def __call__(self, drafts: list[int], target_tokens: list[int]):
-        accepted = min(int(torch.poisson(self.rate, generator=self.generator)), len(drafts))
-        return accepted, list(target_tokens[: accepted + 1])
+    def __call__(self, drafts, targets, owners, columns, num_drafts: torch.Tensor) -> torch.Tensor:
+        rates = torch.full((num_drafts.shape[0],), self.rate)
+        drawn = torch.poisson(rates, generator=self.generator).to(torch.int64)
+        return torch.minimum(drawn.to(num_drafts.device), num_drafts)
 
     def __enter__(self):
-        self.module.accept_drafts = self
+        self.module.accepted_lengths = self
         return self
 
     def __exit__(self, *exc):
-        self.module.accept_drafts = self.original
+        self.module.accepted_lengths = self.original
 
 
 def _spread(values: list[float]) -> dict:
@@ -105,9 +107,16 @@ def _kernel_profile(engine, device: torch.device) -> dict:
         engine.step()
         _sync(device)
     kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
+    by_name: dict[str, list[float]] = {}
+    for event in kernels:
+        by_name.setdefault(event.name[:80], []).append(event.device_time_total)
+    top = sorted(by_name.items(), key=lambda item: -sum(item[1]))[:12]
     return {
         "kernel_launches": len(kernels),
         "gpu_busy_ms": round(sum(e.device_time_total for e in kernels) / 1000, 3),
+        # where the busy time goes: the kernels that took most of it, with their launch counts
+        "top_kernels": [{"name": name, "ms": round(sum(times) / 1000, 3), "launches": len(times)}
+                        for name, times in top],
     }
 
 

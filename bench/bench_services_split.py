@@ -40,8 +40,12 @@ RESULTS = Path(__file__).resolve().parent / "results"
 logger = logging.getLogger("bench_services_split")
 
 
-def step_case(engine, batch: int, context: int, steps: int, seed: int) -> dict:
-    """Prefill B random prompts of C tokens, one warm-up step, then `steps` timed steps; abort them."""
+def step_case(engine, batch: int, context: int, steps: int, seed: int, counters=None) -> dict:
+    """Prefill B random prompts of C tokens, one warm-up step, then `steps` timed steps; abort them.
+
+    counters: a callable returning a dict of counters, read just before and just after the timed
+    steps; their difference per step is `counters_per_step` (the prefill's opens and reserves are
+    not the steady state's traffic)."""
     from target_service.sampling_params import SamplingParams
 
     device, k = engine.device, engine.scheduler.num_speculative_tokens
@@ -56,14 +60,16 @@ def step_case(engine, batch: int, context: int, steps: int, seed: int) -> dict:
         while any(not seq.output_token_ids for seq in engine.sequences.values()):
             engine.step()
         engine.step()
+        before = counters() if counters else {}
         _sync(device)
         times, tokens = _timed_steps(engine, device, steps)
+        after = counters() if counters else {}
     finally:
         for request_id in ids:
             if request_id in engine.sequences:
                 engine.abort(request_id)
     return {"step_s": statistics.median(times), "steps_s": times, "tokens": tokens,
-            "tokens_per_s": tokens / sum(times)}
+            "tokens_per_s": tokens / sum(times), "counters_per_step": _per_step(before, after, steps)}
 
 
 class SplitBenchTarget(TargetService):
@@ -73,17 +79,19 @@ class SplitBenchTarget(TargetService):
         pass
 
     def step_case(self, batch: int, context: int, steps: int, seed: int, acceptance: float) -> dict:
-        before = self.control_stats()
         with SimulatedAcceptance(acceptance, seed):
-            result = step_case(self.engine.engine, batch, context, steps, seed)
-        self.control.flush()
-        after = self.control_stats()
-        result["control_per_step"] = _per_step(before, after, steps)
+            result = step_case(self.engine.engine, batch, context, steps, seed, self._flushed_stats)
+        result["control_per_step"] = result.pop("counters_per_step")
         return result
+
+    def _flushed_stats(self) -> dict:
+        """The control plane's counters once the queued commits are sent (outside the timing)."""
+        self.control.flush()
+        return self.control_stats()
 
 
 def _per_step(before: dict, after: dict, steps: int) -> dict:
-    """Counter deltas over the timed steps (and the prefill, warm-up and aborts around them), per step."""
+    """Counter deltas over the timed steps, per step."""
     out = {}
     for key, value in after.items():
         if isinstance(value, (int, float)) and isinstance(before.get(key), (int, float)):

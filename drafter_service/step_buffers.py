@@ -30,6 +30,7 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, ConfigDict, PositiveInt
 
+from foundation.host_transfer import to_device
 from foundation.shared_buffer import BufferHandle, OwnedBuffer, map_buffer
 
 ALIGN = 256  # bytes; every field starts on a boundary CUDA kernels like
@@ -156,14 +157,14 @@ class StepBuffers:
         self._write(self.start_positions, start_positions)
         self._write(self.seq_slots, seq_slots)
         padded = [list(table) + [0] * (columns - len(table)) for table in block_tables]
-        self.block_table[:count, :columns].copy_(torch.tensor(padded, dtype=torch.int32))
+        self.block_table[:count, :columns].copy_(to_device(padded, torch.int32, self.block_table.device))
         return columns
 
     def _write(self, field: torch.Tensor, values) -> None:
         if isinstance(values, torch.Tensor):
             field[:values.shape[0]].copy_(values)
         else:
-            field[:len(values)].copy_(torch.tensor(values, dtype=field.dtype))
+            field[:len(values)].copy_(to_device(values, field.dtype, field.device))
 
     # ---- checks both sides make -------------------------------------------------------------------
 

@@ -20,16 +20,18 @@ import torch
 
 from drafter_service.control import DraftControl, DrafterUnavailable
 from drafter_service.step_buffers import StepBuffers
+from foundation.host_transfer import HostReadback, to_device
 from kernels import PAD_SLOT
 from kvpool_service.control import PoolLimits
 from target_service.cuda_graphs import GraphKey, TargetGraphs
 from target_service.forward_batch import ForwardBatch, SeqChunk, pack
 from target_service.outputs import SpecDecodeStats
-from target_service.sampling import accept_drafts, choose_tokens
+from target_service.sampling import choose_tokens
 from target_service.sampling_params import SamplingParams
 from target_service.scheduler import DecodeWork, PrefillChunk, Scheduler, SchedulerOutput
 from target_service.sequence import Sequence
 from target_service.stop_checker import StopChecker
+from target_service.verify import DraftIndex
 
 logger = logging.getLogger(__name__)
 
@@ -133,32 +135,46 @@ class LLMEngine:
     # ---- the step -------------------------------------------------------------------------------
 
     def step(self) -> list[Sequence]:
-        """Run one step; return the sequences that finished in it."""
+        """Run one step; return the sequences that finished in it.
+
+        Everything up to the context store is queued on the device before the host reads anything:
+        the drafts go from the step buffers into the forward's inputs and the accepted lengths into
+        the context store on the device (`target_service.verify`); the host reads the target's tokens
+        and the accepted lengths once, while the GPU stores the context.
+        """
         plan = self.scheduler.schedule()
         if plan.is_empty:
             raise RuntimeError("the scheduler found no work although requests are waiting")
         scheduled = _scheduled(plan)
-        drafts = self._propose(plan.decodes, scheduled)
-        chunks, rows = self._chunks(plan, drafts)
+        num_drafts = self._propose(plan.decodes, scheduled)
+        chunks, rows, index = self._chunks(plan, num_drafts)
         batch = pack(chunks, self.tokens_per_block, self.device)
-        output = self._forward(batch, plan, drafts)
-        greedy = self._greedy_tokens(output.logits, plan)
-        context_rows = [self._accept(work, drafts.get(work.seq.seq_id), output, rows[work.seq.seq_id], greedy)
-                        for work in plan.decodes]
-        context_rows += [self._finish_prefill(chunk, output, rows[chunk.seq.seq_id], greedy)
-                         for chunk in plan.prefills]
-        self._store_context(batch, output.taps, context_rows, scheduled)
+        verify = index.to_device(self.device) if index.num_draft_tokens else None
+        drafts = verify.place_drafts(self.step_buffers.draft_tokens, batch.input_ids) if verify else None
+        output = self._forward(batch, plan, num_drafts)
+        targets = self._target_tokens(output.logits, scheduled, rows)
+        accepted = verify.accepted_lengths(drafts, targets) if verify else None
+        readback = HostReadback(targets if accepted is None else torch.cat([targets, accepted]))
+        self._store_context(batch, output.taps, plan, rows, accepted)
+        values = readback.tolist()
+        targets_host, accepted_host = values[:targets.shape[0]], values[targets.shape[0]:]
+        for i, work in enumerate(plan.decodes):
+            self._accept(work, num_drafts[i], accepted_host[i] if accepted_host else 0,
+                         targets_host[rows[work.seq.seq_id].logits])
+        for chunk in plan.prefills:
+            self._finish_prefill(chunk, targets_host[rows[chunk.seq.seq_id].logits])
         self.scheduler.commit([seq for seq in scheduled if not seq.finish_reason])
         finished = [seq for seq in scheduled if seq.finish_reason]
         self.scheduler.finish(finished)
         return finished
 
-    def _propose(self, decodes: list[DecodeWork], scheduled: list[Sequence]) -> dict[int, list[int]]:
-        """K drafts per decoding sequence, from one drafter call (K = the largest asked for); none
-        when the drafter is unavailable."""
+    def _propose(self, decodes: list[DecodeWork], scheduled: list[Sequence]) -> list[int]:
+        """Drafts per decode (0 for none) from one drafter call (K = the largest asked for), left in
+        the step buffers' draft_tokens in the order of the decodes that draft; all 0 when the
+        drafter is unavailable."""
         drafting = [work for work in decodes if work.num_draft > 0]
         if self.drafter is None or not drafting:
-            return {}
+            return [0] * len(decodes)
         num_draft = max(work.num_draft for work in drafting)
         seqs = [work.seq for work in drafting]
         columns = self.step_buffers.stage_propose(
@@ -168,107 +184,113 @@ class LLMEngine:
             self.drafter.propose(len(seqs), num_draft, columns)
         except DrafterUnavailable as error:
             self._lose_context(scheduled, error)
-            return {}
-        tokens = self.step_buffers.draft_tokens[:len(seqs), :num_draft].tolist()
-        return {work.seq.seq_id: row[: work.num_draft] for work, row in zip(drafting, tokens)}
+            return [0] * len(decodes)
+        return [work.num_draft for work in decodes]
 
-    def _forward(self, batch: ForwardBatch, plan: SchedulerOutput, drafts: dict[int, list[int]]):
+    def _forward(self, batch: ForwardBatch, plan: SchedulerOutput, num_drafts: list[int]):
         """The target's forward, replayed from a CUDA graph when the step is uniform: decodes only,
         every sequence verifying the same number of rows. Anything else runs eagerly."""
         if self.graphs is not None and plan.decodes and not plan.prefills:
-            q_lens = {1 + len(drafts.get(work.seq.seq_id, ())) for work in plan.decodes}
+            q_lens = {1 + count for count in num_drafts}
             if len(q_lens) == 1:
                 output = self.graphs.run(batch, GraphKey(q_lens.pop(), taps=self.drafter is not None))
                 if output is not None:
                     return output
         return self.target(batch, self.target_caches)
 
-    def _chunks(self, plan: SchedulerOutput, drafts: dict[int, list[int]]):
-        """The packed forward's chunks, and where each sequence's logits and tap rows land."""
+    def _chunks(self, plan: SchedulerOutput, num_drafts: list[int]):
+        """The packed forward's chunks (a decode's draft rows hold 0 until `place_drafts` fills them
+        on the device), where each sequence's logits and tap rows land, and the drafts' `DraftIndex`."""
         taps = self.drafter is not None
-        chunks, rows, logit_row, tap_row = [], {}, 0, 0
-        for work in plan.decodes:
+        chunks, rows, index, logit_row, tap_row, input_row, source_row = [], {}, DraftIndex(), 0, 0, 0, 0
+        width = self.step_buffers.layout.max_num_draft if self.step_buffers is not None else 0
+        for work, num_draft in zip(plan.decodes, num_drafts):
             seq = work.seq
-            tokens = [seq.bonus_token, *drafts.get(seq.seq_id, [])]
-            num_rows = len(tokens)
-            chunks.append(SeqChunk(tokens, seq.num_computed, seq.block_table, num_rows, num_rows * taps))
+            num_rows = 1 + num_draft
+            chunks.append(SeqChunk([seq.bonus_token] + [0] * num_draft, seq.num_computed, seq.block_table,
+                                   num_rows, num_rows * taps))
+            index.add_decode(num_draft, source_row=source_row, width=width, input_row=input_row,
+                             logit_row=logit_row)
+            source_row += num_draft > 0
+            logit_row, input_row = logit_row + num_rows, input_row + num_rows
         for chunk in plan.prefills:
             seq = chunk.seq
             tokens = seq.token_ids[chunk.start: chunk.start + chunk.num_tokens]
             wants_logits = int(chunk.is_last and not seq.output_token_ids)
             chunks.append(SeqChunk(tokens, chunk.start, seq.block_table, wants_logits, len(tokens) * taps))
+        logit_row = 0
         for chunk, seq in zip(chunks, _scheduled(plan)):
             rows[seq.seq_id] = _Rows(slice(logit_row, logit_row + chunk.num_logits),
                                      slice(tap_row, tap_row + chunk.num_taps))
             logit_row += chunk.num_logits
             tap_row += chunk.num_taps
-        return chunks, rows
+        return chunks, rows, index
 
-    def _greedy_tokens(self, logits: torch.Tensor, plan: SchedulerOutput) -> list[int] | None:
-        """The argmax of every logits row, read from the device in one transfer (None when no greedy
-        request is in the step): per-sequence reads would each wait for the device."""
-        if logits.shape[0] == 0 or not any(seq.params.greedy for seq in _scheduled(plan)):
-            return None
-        return logits.argmax(dim=-1).tolist()
+    def _target_tokens(self, logits: torch.Tensor, scheduled: list[Sequence], rows: dict[int, _Rows]):
+        """The target's token at every logits row [R], on the device: argmax, and a sample in the
+        rows of each sampling request (its own generator, in the step's order)."""
+        tokens = logits.argmax(dim=-1)
+        for seq in scheduled:
+            logit_rows = rows[seq.seq_id].logits
+            if not seq.params.greedy and logit_rows.stop > logit_rows.start:
+                tokens[logit_rows] = choose_tokens(logits[logit_rows], seq.params, self._generator(seq))
+        return tokens
 
-    def _target_tokens(self, seq: Sequence, logits: torch.Tensor, rows: slice, greedy: list[int] | None):
-        """The target's token at each of the sequence's logits rows: argmax, or a sample."""
-        if seq.params.greedy:
-            return greedy[rows]
-        return choose_tokens(logits[rows], seq.params, self._generator(seq)).tolist()
+    def _accept(self, work: DecodeWork, num_draft: int, accepted: int, target_tokens: list[int]) -> None:
+        """Commit one decode's verified rows: the bonus and `accepted` drafts; emit the target's
+        tokens up to and including its first correction (or the token after the last draft)."""
+        seq = work.seq
+        self.stats.record(num_draft, accepted)
+        seq.spec_decode.record(num_draft, accepted)
+        seq.num_computed += accepted + 1
+        self._emit(seq, target_tokens[: accepted + 1])
 
-    def _accept(self, work: DecodeWork, drafts: list[int] | None, output, rows: _Rows, greedy):
-        """Verify one sequence's drafts; emit tokens; return its (seq, positions, taps kept) rows."""
-        seq, drafts = work.seq, drafts or []
-        target_tokens = self._target_tokens(seq, output.logits, rows.logits, greedy)
-        accepted, emitted = accept_drafts(drafts, target_tokens)
-        self.stats.record(len(drafts), accepted)
-        seq.spec_decode.record(len(drafts), accepted)
-        start = seq.num_computed
-        seq.num_computed = start + accepted + 1  # the bonus and the accepted drafts are now committed
-        self._emit(seq, emitted)
-        # context rows: the bonus and accepted drafts (positions start..start+accepted); rest skipped
-        return seq, start, rows.taps, accepted + 1
-
-    def _finish_prefill(self, chunk: PrefillChunk, output, rows: _Rows, greedy):
+    def _finish_prefill(self, chunk: PrefillChunk, target_tokens: list[int]) -> None:
         seq = chunk.seq
         seq.num_computed = chunk.start + chunk.num_tokens
         if chunk.is_last and not seq.output_token_ids:
-            self._emit(seq, self._target_tokens(seq, output.logits, rows.logits, greedy))
-        return seq, chunk.start, rows.taps, chunk.num_tokens
+            self._emit(seq, target_tokens)
 
-    def _store_context(self, batch: ForwardBatch, taps: torch.Tensor, context_rows,
-                       scheduled: list[Sequence]) -> None:
-        """One drafter call: every tap row of the step, rows past an accepted prefix (and rows of
-        sequences whose context has a gap) skipped.
+    def _store_context(self, batch: ForwardBatch, taps: torch.Tensor, plan: SchedulerOutput,
+                       rows: dict[int, _Rows], accepted: torch.Tensor | None) -> None:
+        """One drafter call: every tap row of the step, rows past a decode's accepted prefix (and
+        rows of sequences whose context has a gap) skipped.
 
-        The rows' positions and pool slots are the forward's own (`batch`), so they are selected on
-        the device: per sequence only its row count, kept prefix and slot cross to it (one copy),
-        not a per-row list built on the host.
+        The rows' positions and pool slots are the forward's own (`batch`) and the accepted lengths
+        are the device's, so the rows are selected on the device: per sequence only its row count,
+        prefill length and slot cross to it (one copy), and nothing waits for the GPU.
         """
+        scheduled = _scheduled(plan)
         if self.drafter is None or taps.shape[0] == 0 or not any(seq.has_context for seq in scheduled):
             return
-        num_rows = taps.shape[0]
-        counts, keeps, seq_slots = [], [], []
-        for seq, _, tap_rows, keep in context_rows:
+        num_rows, num_decodes = taps.shape[0], len(plan.decodes)
+        counts, prefill_keeps, decode_keeps, seq_slots = [], [], [], []
+        for position, seq in enumerate(scheduled):
+            tap_rows = rows[seq.seq_id].taps
             counts.append(tap_rows.stop - tap_rows.start)
-            keeps.append(keep if seq.has_context else 0)
+            is_decode = position < num_decodes
+            prefill_keeps.append(0 if is_decode or not seq.has_context else tap_rows.stop - tap_rows.start)
+            decode_keeps.append(int(is_decode and seq.has_context))
             seq_slots.append(seq.slot)
         if sum(counts) != num_rows:
             raise RuntimeError(f"the step's sequences own {sum(counts)} tap rows; the forward returned "
                                f"{num_rows}")
-        per_seq = torch.tensor([counts, keeps, seq_slots], dtype=torch.int64).to(self.device)
-        counts_d, keeps_d, slots_d = per_seq
+        counts_d, prefill_d, decode_d, slots_d = to_device([counts, prefill_keeps, decode_keeps, seq_slots],
+                                                           torch.int64, self.device)
+        verified = torch.ones_like(decode_d)  # a decode keeps its bonus and its accepted drafts
+        if accepted is not None:
+            verified[:num_decodes] += accepted
+        keeps_d = prefill_d + decode_d * verified
         owner = torch.repeat_interleave(torch.arange(len(counts), device=self.device), counts_d,
                                         output_size=num_rows)
         first_row = torch.cumsum(counts_d, 0) - counts_d
         offset = torch.arange(num_rows, device=self.device) - first_row[owner]
-        rows = batch.tap_indices
-        slots = torch.where(offset < keeps_d[owner], batch.slot_mapping[rows], PAD_SLOT)
+        tap_indices = batch.tap_indices
+        slots = torch.where(offset < keeps_d[owner], batch.slot_mapping[tap_indices], PAD_SLOT)
         try:
             self.drafter.settle()  # the last step's context may still be read from the buffers
             self.drafter.store_context(
-                self.step_buffers.stage_context(taps, batch.positions[rows], slots_d[owner], slots))
+                self.step_buffers.stage_context(taps, batch.positions[tap_indices], slots_d[owner], slots))
         except DrafterUnavailable as error:
             self._lose_context(scheduled, error)
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from foundation.host_transfer import to_device
 from foundation.tensor_checks import ANY_INT, KERNEL_INT, check_int_tensor
 
 
@@ -145,6 +146,6 @@ def pack(
 
 
 def _to_device(fields: list[list[int]], dtype: torch.dtype, device) -> list[torch.Tensor]:
-    """Integer lists as one tensor moved in one copy, split back into per-field views."""
-    flat = torch.tensor([value for field in fields for value in field], dtype=dtype).to(device)
+    """Integer lists as one tensor moved in one queued copy, split back into per-field views."""
+    flat = to_device([value for field in fields for value in field], dtype, device)
     return list(flat.split([len(field) for field in fields]))

@@ -1,4 +1,4 @@
-"""Token choice (over logits tensors) and the speculative accept rule (over plain ints).
+"""Token choice (over logits tensors) and the speculative accept rule (stated over plain ints).
 
 The accept rule: sample (or argmax) the TARGET's token at every verified position, then accept
 the longest prefix of drafts that equals those samples, plus the target's token at the first
@@ -44,8 +44,9 @@ def choose_tokens(logits: torch.Tensor, params: SamplingParams,
 
 
 def accept_drafts(drafts: Sequence[int], target_tokens: Sequence[int]) -> tuple[int, list[int]]:
-    """Accepted draft count and the emitted tokens of one request (plain ints: the engine reads every
-    sequence's target tokens from the device in one transfer, then decides on the host).
+    """Accepted draft count and the emitted tokens of one request, over plain ints: the rule as
+    stated, which the engine runs for the whole batch on the device (`verify.accepted_lengths`,
+    tested against this).
 
     drafts: K proposed tokens d_1..d_K; target_tokens: K+1, the target's choice after the bonus and
     after each draft. Accept the longest prefix with d_i == target_tokens[i-1], then one target

@@ -18,12 +18,24 @@ from target_service.sampling_params import SamplingParams
 
 
 class ContextChecker:
+    """Stands in for the engine's drafter: records the rows each step stages and checks them once
+    the step has committed (the engine stages them before the host reads the acceptance)."""
+
     def __init__(self, llm: LLM):
         self.inner, self.engine = llm.engine.drafter, llm.engine
         self.block_size = self.inner.block_size
         self.stored: dict[int, list[int]] = {}
         self.kept = self.skipped = 0
+        self.staged = []
         llm.engine.drafter = self
+        step = llm.engine.step
+
+        def checked_step():
+            finished = step()
+            self.check_staged()
+            return finished
+
+        llm.engine.step = checked_step
 
     def settle(self):
         self.inner.settle()
@@ -32,12 +44,16 @@ class ContextChecker:
         self.inner.propose(*args)
 
     def store_context(self, num_rows: int) -> None:
-        buffers, tpb = self.engine.step_buffers, self.engine.tokens_per_block
+        buffers = self.engine.step_buffers
         by_slot = {seq.slot: seq for seq in self.engine.scheduler.running}
         rows = zip(buffers.context_positions[:num_rows].tolist(),
                    buffers.context_seq_slots[:num_rows].tolist(), buffers.context_slots[:num_rows].tolist())
-        for position, seq_slot, slot in rows:
-            seq = by_slot[seq_slot]
+        self.staged += [(position, by_slot[seq_slot], slot) for position, seq_slot, slot in rows]
+        self.inner.store_context(num_rows)
+
+    def check_staged(self) -> None:
+        tpb = self.engine.tokens_per_block
+        for position, seq, slot in self.staged:
             if slot == PAD_SLOT:
                 assert position >= seq.num_computed, (position, seq.num_computed)
                 self.skipped += 1
@@ -46,7 +62,7 @@ class ContextChecker:
             assert slot == seq.block_table[position // tpb] * tpb + position % tpb
             self.stored.setdefault(seq.seq_id, []).append(position)
             self.kept += 1
-        self.inner.store_context(num_rows)
+        self.staged = []
 
 
 @pytest.mark.parametrize("storage", ["paged", "dense"])

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# The step on one H200 (Qwen3-8B geometry, random weights): the GPU tests of the step's path, then
+# bench.bench_e2e_step. One device call; carry [".whl"] (pydantic, gRPC: the image lacks them).
+#
+#   bash bench/step_h200.sh [flags for bench.bench_e2e_step; later flags win]
+#
+# The bench saves after every case to $OUT (default bench/results), so a run stopped at LIMIT
+# seconds (default 420) keeps what it measured; the tests' and the bench's logs go there too.
+set -uo pipefail
+OUT=${OUT:-bench/results}
+mkdir -p /tmp/site "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+python3 -c 'import pydantic, grpc, torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
+python3 -m pytest -q -p no:cacheprovider tests/foundation/test_host_transfer.py tests/target_service/test_verify.py \
+    tests/target_service/test_engine_gpu.py tests/target_service/test_cuda_graph_padding.py \
+    tests/target_service/test_context_rows.py > "$OUT/gpu_tests_step.log" 2>&1
+tail -n 3 "$OUT/gpu_tests_step.log"
+timeout "${LIMIT:-420}" python3 -m bench.bench_e2e_step --steps 8 --batch-sizes 1 32 --contexts 2048 8192 \
+    --out "$OUT" --name e2e_step_h200_device "$@" > "$OUT/e2e_step.log" 2>&1
+echo "bench exit $?"
+tail -n 30 "$OUT/e2e_step.log"
