@@ -6,6 +6,8 @@
 #
 # The bench saves after every case to $OUT (default bench/results), so a run stopped at LIMIT
 # seconds (default 420) keeps what it measured; the tests' and the bench's logs go there too.
+# BASELINE=<commit> also times that commit's engine (B 1 and 32, ctx 2048, no HF) from a worktree,
+# right after, on the same machine: a side-by-side reference for a change to the step.
 set -uo pipefail
 OUT=${OUT:-bench/results}
 mkdir -p /tmp/site "$OUT"
@@ -20,3 +22,11 @@ timeout "${LIMIT:-420}" python3 -m bench.bench_e2e_step --steps 8 --batch-sizes 
     --out "$OUT" --name e2e_step_h200_device "$@" > "$OUT/e2e_step.log" 2>&1
 echo "bench exit $?"
 tail -n 30 "$OUT/e2e_step.log"
+if [ -n "${BASELINE:-}" ]; then
+    git worktree add -f /tmp/baseline "$BASELINE" > /dev/null 2>&1 || echo "no worktree of $BASELINE"
+    (cd /tmp/baseline && PYTHONPATH=/tmp/site:/tmp/baseline timeout "${BASELINE_LIMIT:-150}" python3 -m bench.bench_e2e_step \
+        --steps 8 --batch-sizes 1 32 --contexts 2048 --no-hf --out "$OUT" --name e2e_step_h200_baseline \
+        > "$OUT/e2e_step_baseline.log" 2>&1)
+    echo "baseline exit $?"
+    tail -n 12 "$OUT/e2e_step_baseline.log"
+fi
