@@ -42,6 +42,9 @@ def register(subparsers) -> None:
     parser.add_argument("--admin-token-file", help="file holding the admin gRPC bearer token")
     parser.add_argument("--served-model-name", help="the model name clients ask for")
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    parser.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
+                        help="read every step before queuing the next (default: the steady state's next "
+                             "step is queued first)")
     parser.add_argument("--num-cpus-per-replica", type=float, default=1.0)
     parser.add_argument("--num-gpus-per-replica", type=float, default=None,
                         help="GPUs per replica (default: 1 on a GPU machine, else 0)")

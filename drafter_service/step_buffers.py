@@ -160,6 +160,22 @@ class StepBuffers:
         self.block_table[:count, :columns].copy_(to_device(padded, torch.int32, self.block_table.device))
         return columns
 
+    def stage_propose_tensors(self, bonus_tokens: torch.Tensor, start_positions: torch.Tensor,
+                              seq_slots: torch.Tensor, block_table: torch.Tensor) -> int:
+        """`stage_propose` from tensors on the buffers' device ([B] int64 each, block_table [B, M]
+        int32): a step launched before the host knows its inputs stages them without a host trip."""
+        count, columns = block_table.shape
+        self.check_propose(count, 1, columns)
+        for name, values in (("start_positions", start_positions), ("seq_slots", seq_slots),
+                             ("bonus_tokens", bonus_tokens)):
+            if values.shape != (count,):
+                raise ValueError(f"{name} must be [{count}] (block_table's rows), got {tuple(values.shape)}")
+        self._write(self.bonus_tokens, bonus_tokens)
+        self._write(self.start_positions, start_positions)
+        self._write(self.seq_slots, seq_slots)
+        self.block_table[:count, :columns].copy_(block_table)
+        return columns
+
     def _write(self, field: torch.Tensor, values) -> None:
         if isinstance(values, torch.Tensor):
             field[:values.shape[0]].copy_(values)

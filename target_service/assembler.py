@@ -118,7 +118,8 @@ class TargetAssembler:
                               num_speculative_tokens=self.num_speculative_tokens)
         stop_checker = StopChecker(self.checkpoint.eos_token_ids, self.checkpoint.tokenizer)
         return LLMEngine(model, caches, scheduler, limits=limits, drafter=drafter, step_buffers=self.buffers,
-                         stop_checker=stop_checker, seed=args.seed, graphs=self._graphs(caches, layout))
+                         stop_checker=stop_checker, seed=args.seed, graphs=self._graphs(caches, layout),
+                         async_scheduling=args.async_scheduling)
 
     def rebind(self, engine: LLMEngine, pool: PoolControl, pool_handle: PoolHandle) -> list:
         """Move `engine` onto a restarted pool: map its pages, capture graphs over them, and requeue

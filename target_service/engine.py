@@ -30,6 +30,7 @@ from target_service.sampling import choose_tokens
 from target_service.sampling_params import SamplingParams
 from target_service.scheduler import DecodeWork, PrefillChunk, Scheduler, SchedulerOutput
 from target_service.sequence import Sequence
+from target_service.step_ahead import next_starts, plan_ahead, uniform_decode_batch
 from target_service.stop_checker import StopChecker
 from target_service.verify import DraftIndex
 
@@ -44,10 +45,23 @@ class _Rows:
     taps: slice
 
 
+@dataclass
+class _Launched:
+    """A step queued on the device whose results the host has not read yet."""
+
+    plan: SchedulerOutput
+    num_drafts: list[int]  # per decode, in plan order
+    rows: dict[int, _Rows]  # seq_id -> its rows in the packed forward
+    targets: torch.Tensor  # the target's token at every logits row [R]
+    accepted: torch.Tensor | None  # accepted drafts per decode; None: no drafts in the step
+    readback: HostReadback  # targets then accepted, on their way to the host
+
+
 class LLMEngine:
     def __init__(self, target, target_caches, scheduler: Scheduler, *, limits: PoolLimits,
                  drafter: DraftControl | None = None, step_buffers: StepBuffers | None = None,
-                 stop_checker: StopChecker, seed: int | None = None, graphs: TargetGraphs | None = None):
+                 stop_checker: StopChecker, seed: int | None = None, graphs: TargetGraphs | None = None,
+                 async_scheduling: bool = True):
         self.target = target
         self.target_caches = target_caches
         self.scheduler = scheduler
@@ -56,6 +70,10 @@ class LLMEngine:
         self.drafter = drafter
         self.step_buffers = step_buffers
         self.graphs = graphs
+        self.async_scheduling = async_scheduling
+        self._ahead: _Launched | None = None  # the next step, launched before this one was read
+        self.steps_ahead = 0  # steps launched ahead
+        self.dropped_ahead = 0  # sequences whose step ahead was dropped (finished the step before)
         self.stop_checker = stop_checker
         self.device = target.embed_weight.device
         self.generator = torch.Generator(self.device)
@@ -115,7 +133,8 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is not in the engine")
         if not seq.is_finished:
             self.scheduler.abort(seq)
-            seq.finish_reason = "abort"
+            seq.finish_reason = "abort"  # a step launched ahead drops its results
+        self._drop_stale_ahead()
         return seq
 
     @property
@@ -130,6 +149,7 @@ class LLMEngine:
             raise ValueError(f"the restarted pool's limits {limits} differ from the engine's {self.limits}")
         self.scheduler.pool = pool
         self.target_caches, self.graphs = target_caches, graphs
+        self._ahead = None  # its pages were the old pool's; its sequences are recomputed
         return self.scheduler.requeue_all()
 
     # ---- the step -------------------------------------------------------------------------------
@@ -140,33 +160,94 @@ class LLMEngine:
         Everything up to the context store is queued on the device before the host reads anything:
         the drafts go from the step buffers into the forward's inputs and the accepted lengths into
         the context store on the device (`target_service.verify`); the host reads the target's tokens
-        and the accepted lengths once, while the GPU stores the context.
+        and the accepted lengths once, while the GPU stores the context. With `async_scheduling`, the
+        next step is queued before that read when its inputs follow from this step's device results
+        (`target_service.step_ahead`): the host then checks stops and commits while the GPU runs it.
         """
+        launched = self._ahead or self._launch_scheduled()
+        self._ahead = self._launch_ahead(launched) if self.async_scheduling else None
+        finished = self._complete(launched)
+        self._drop_stale_ahead()
+        return finished
+
+    def _launch_scheduled(self) -> _Launched:
+        """Queue the step the scheduler plans now."""
         plan = self.scheduler.schedule()
         if plan.is_empty:
             raise RuntimeError("the scheduler found no work although requests are waiting")
         scheduled = _scheduled(plan)
         num_drafts = self._propose(plan.decodes, scheduled)
         chunks, rows, index = self._chunks(plan, num_drafts)
-        batch = pack(chunks, self.tokens_per_block, self.device)
+        return self._launch(plan, num_drafts, rows, pack(chunks, self.tokens_per_block, self.device), index)
+
+    def _launch_ahead(self, current: _Launched) -> _Launched | None:
+        """Queue the step after `current` from its device results, when that is exactly the step the
+        scheduler would plan next (`step_ahead.plan_ahead`); None otherwise."""
+        num_draft = self.scheduler.num_speculative_tokens if self.drafter is not None else 0
+        plan = plan_ahead(self.scheduler, current.plan, current.num_drafts, num_draft)
+        if plan is None:
+            return None
+        seqs = [work.seq for work in plan.decodes]
+        logit_starts = [current.rows[seq.seq_id].logits.start for seq in seqs]
+        computed = [seq.num_computed for seq in seqs]  # where `current` started: it is not read yet
+        slots = [seq.slot for seq in seqs]
+        logit_starts_d, starts_d, seq_slots_d = to_device([logit_starts, computed, slots], torch.int64,
+                                                          self.device)
+        columns = max(len(seq.block_table) for seq in seqs)
+        padded = [seq.block_table + [0] * (columns - len(seq.block_table)) for seq in seqs]
+        table = to_device(padded, torch.int32, self.device)
+        bonus, starts = next_starts(current.targets, current.accepted, logit_starts_d, starts_d)
+        if num_draft:
+            self.step_buffers.stage_propose_tensors(bonus, starts, seq_slots_d, table)
+            if not self._call_propose(len(seqs), num_draft, columns, seqs):
+                return None
+        self.steps_ahead += 1
+        taps = self.drafter is not None
+        batch = uniform_decode_batch(bonus, starts, table, num_draft, self.tokens_per_block, taps)
+        rows, index, q_len, width = {}, DraftIndex(), num_draft + 1, self._draft_width()
+        for i, seq in enumerate(seqs):
+            tap_rows = slice(i * q_len * taps, (i + 1) * q_len * taps)
+            rows[seq.seq_id] = _Rows(slice(i * q_len, (i + 1) * q_len), tap_rows)
+            index.add_decode(num_draft, source_row=i, width=width, input_row=i * q_len, logit_row=i * q_len)
+        return self._launch(plan, [num_draft] * len(seqs), rows, batch, index)
+
+    def _launch(self, plan: SchedulerOutput, num_drafts: list[int], rows: dict[int, _Rows],
+                batch: ForwardBatch, index: DraftIndex) -> _Launched:
+        """Queue a planned step's forward, its verification and its context store; start the read."""
         verify = index.to_device(self.device) if index.num_draft_tokens else None
         drafts = verify.place_drafts(self.step_buffers.draft_tokens, batch.input_ids) if verify else None
         output = self._forward(batch, plan, num_drafts)
-        targets = self._target_tokens(output.logits, scheduled, rows)
+        targets = self._target_tokens(output.logits, _scheduled(plan), rows)
         accepted = verify.accepted_lengths(drafts, targets) if verify else None
         readback = HostReadback(targets if accepted is None else torch.cat([targets, accepted]))
         self._store_context(batch, output.taps, plan, rows, accepted)
-        values = readback.tolist()
-        targets_host, accepted_host = values[:targets.shape[0]], values[targets.shape[0]:]
+        return _Launched(plan, num_drafts, rows, targets, accepted, readback)
+
+    def _complete(self, launched: _Launched) -> list[Sequence]:
+        """Read a launched step's tokens; emit, commit, and return the sequences that finished. A
+        sequence already finished (in the step before, or aborted since) is left as it is: a step
+        launched ahead ran it once too many, and those results are dropped."""
+        values = launched.readback.tolist()
+        num_targets, plan = launched.targets.shape[0], launched.plan
+        targets, accepted = values[:num_targets], values[num_targets:]
+        live = [seq for seq in _scheduled(plan) if not seq.finish_reason]
+        self.dropped_ahead += len(plan.decodes) + len(plan.prefills) - len(live)
         for i, work in enumerate(plan.decodes):
-            self._accept(work, num_drafts[i], accepted_host[i] if accepted_host else 0,
-                         targets_host[rows[work.seq.seq_id].logits])
+            if not work.seq.finish_reason:
+                self._accept(work, launched.num_drafts[i], accepted[i] if accepted else 0,
+                             targets[launched.rows[work.seq.seq_id].logits])
         for chunk in plan.prefills:
-            self._finish_prefill(chunk, targets_host[rows[chunk.seq.seq_id].logits])
-        self.scheduler.commit([seq for seq in scheduled if not seq.finish_reason])
-        finished = [seq for seq in scheduled if seq.finish_reason]
+            if not chunk.seq.finish_reason:
+                self._finish_prefill(chunk, targets[launched.rows[chunk.seq.seq_id].logits])
+        self.scheduler.commit([seq for seq in live if not seq.finish_reason])
+        finished = [seq for seq in live if seq.finish_reason]
         self.scheduler.finish(finished)
         return finished
+
+    def _drop_stale_ahead(self) -> None:
+        """A step launched ahead whose every sequence has finished has nothing left to read."""
+        if self._ahead is not None and all(seq.finish_reason for seq in _scheduled(self._ahead.plan)):
+            self._ahead = None
 
     def _propose(self, decodes: list[DecodeWork], scheduled: list[Sequence]) -> list[int]:
         """Drafts per decode (0 for none) from one drafter call (K = the largest asked for), left in
@@ -180,12 +261,22 @@ class LLMEngine:
         columns = self.step_buffers.stage_propose(
             [seq.bonus_token for seq in seqs], [seq.num_computed for seq in seqs], [seq.slot for seq in seqs],
             [seq.block_table for seq in seqs])
-        try:
-            self.drafter.propose(len(seqs), num_draft, columns)
-        except DrafterUnavailable as error:
-            self._lose_context(scheduled, error)
+        if not self._call_propose(len(seqs), num_draft, columns, scheduled):
             return [0] * len(decodes)
         return [work.num_draft for work in decodes]
+
+    def _call_propose(self, num_seqs: int, num_draft: int, columns: int, scheduled: list[Sequence]) -> bool:
+        """Ask the drafter for the staged rows' drafts; False (and `scheduled` go on plainly) when it
+        is unavailable."""
+        try:
+            self.drafter.propose(num_seqs, num_draft, columns)
+        except DrafterUnavailable as error:
+            self._lose_context(scheduled, error)
+            return False
+        return True
+
+    def _draft_width(self) -> int:
+        return self.step_buffers.layout.max_num_draft if self.step_buffers is not None else 0
 
     def _forward(self, batch: ForwardBatch, plan: SchedulerOutput, num_drafts: list[int]):
         """The target's forward, replayed from a CUDA graph when the step is uniform: decodes only,
@@ -203,7 +294,7 @@ class LLMEngine:
         on the device), where each sequence's logits and tap rows land, and the drafts' `DraftIndex`."""
         taps = self.drafter is not None
         chunks, rows, index, logit_row, tap_row, input_row, source_row = [], {}, DraftIndex(), 0, 0, 0, 0
-        width = self.step_buffers.layout.max_num_draft if self.step_buffers is not None else 0
+        width = self._draft_width()
         for work, num_draft in zip(plan.decodes, num_drafts):
             seq = work.seq
             num_rows = 1 + num_draft

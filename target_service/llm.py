@@ -35,7 +35,7 @@ class LLM:
                  gpu_memory_utilization: float = 0.9, tokens_per_block: int = 32,
                  enable_prefix_caching: bool = True, seed: int | None = None,
                  max_num_batched_tokens: int = 2048, enforce_eager: bool = False,
-                 cuda_graph_sizes: list[int] | None = None,
+                 cuda_graph_sizes: list[int] | None = None, async_scheduling: bool = True,
                  services: Literal["inprocess", "ray"] = "inprocess", address: str | None = None):
         if services not in ("inprocess", "ray"):
             raise ValueError(f"services must be 'inprocess' or 'ray', got {services!r}")
@@ -47,7 +47,7 @@ class LLM:
             kv_cache_memory=kv_cache_memory, gpu_memory_utilization=gpu_memory_utilization,
             tokens_per_block=tokens_per_block, enable_prefix_caching=enable_prefix_caching, seed=seed,
             max_num_batched_tokens=max_num_batched_tokens, enforce_eager=enforce_eager,
-            cuda_graph_sizes=cuda_graph_sizes,
+            cuda_graph_sizes=cuda_graph_sizes, async_scheduling=async_scheduling,
         )
         self.services = services
         self._ids = itertools.count()

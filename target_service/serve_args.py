@@ -36,6 +36,7 @@ class ServeArgs(BaseModel):
     admin_token_file: str | None = None
     served_model_name: str | None = None
     enforce_eager: bool = False
+    async_scheduling: bool = True
     num_cpus_per_replica: float = Field(1.0, gt=0)  # Ray resources of one replica (CPU machines)
     num_gpus_per_replica: float = Field(0.0, ge=0)
     # custom Ray resources one replica needs besides its CPUs and GPUs, e.g. {"dflash_gpu": 1} standing
@@ -90,7 +91,7 @@ class ServeArgs(BaseModel):
                           context_storage=self.context_storage, dtype=self.dtype, device=self.device,
                           max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len,
                           kv_cache_memory=self.kv_cache_memory, enable_prefix_caching=True,
-                          enforce_eager=self.enforce_eager)
+                          enforce_eager=self.enforce_eager, async_scheduling=self.async_scheduling)
 
     @property
     def model_name(self) -> str:

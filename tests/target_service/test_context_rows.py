@@ -19,7 +19,8 @@ from target_service.sampling_params import SamplingParams
 
 class ContextChecker:
     """Stands in for the engine's drafter: records the rows each step stages and checks them once
-    the step has committed (the engine stages them before the host reads the acceptance)."""
+    the step has committed (the engine stages them before the host reads the acceptance). Only for
+    an engine without async scheduling: there a step's rows are staged a call before it commits."""
 
     def __init__(self, llm: LLM):
         self.inner, self.engine = llm.engine.drafter, llm.engine
@@ -70,7 +71,8 @@ def test_staged_context_rows_are_the_committed_positions_in_their_own_slots(tmp_
     target, drafter = make_pair(tmp_path)
     llm = LLM(str(target), str(drafter), device="cpu", dtype="float32", kv_cache_memory="4MiB",
               tokens_per_block=16, max_num_seqs=5, max_model_len=256, max_num_batched_tokens=48,
-              num_speculative_tokens=7, context_storage=storage, enable_prefix_caching=False)
+              num_speculative_tokens=7, context_storage=storage, enable_prefix_caching=False,
+              async_scheduling=False)
     checker = ContextChecker(llm)
     prompts = random_prompts(7, 160, low=5, high=90)  # chunked prefills beside verify blocks
     outputs = llm.generate(prompts, SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))

@@ -1,0 +1,156 @@
+"""Async scheduling (a steady-state step queued before the one before it is read) changes no output.
+
+Every case runs the same requests through an engine with and without it and compares tokens, finish
+reasons and acceptance; the async engine must really have launched steps ahead (and, where a request
+stops mid-run, dropped one). The pieces are checked alone too: the device-built decode batch against
+`pack`, and the cases `plan_ahead` must refuse.
+"""
+
+import pytest
+import torch
+from engine_helpers import OracleDrafter, make_pair, random_prompts
+
+from target_service.forward_batch import SeqChunk, pack
+from target_service.llm import LLM
+from target_service.sampling_params import SamplingParams
+from target_service.scheduler import DecodeWork, SchedulerOutput
+from target_service.step_ahead import plan_ahead, uniform_decode_batch
+
+SETTINGS = dict(kv_cache_memory="4MiB", tokens_per_block=16, max_num_seqs=8, max_model_len=160)
+
+
+def run(target, drafter, prompts, params, *, async_scheduling, **settings):
+    llm = LLM(target, drafter, async_scheduling=async_scheduling, **{**SETTINGS, **settings})
+    outputs = llm.generate(prompts, params)
+    engine = llm.engine
+    usage = engine.scheduler.pool.stats()
+    result = {
+        "tokens": [out.outputs[0].token_ids for out in outputs],
+        "finish": [out.outputs[0].finish_reason for out in outputs],
+        "accepted": llm.stats.num_accepted_tokens, "drafts": llm.stats.num_draft_tokens,
+        "ahead": engine.steps_ahead, "dropped": engine.dropped_ahead,
+        "pages_in_use": usage.num_used_blocks,
+    }
+    llm.close()
+    return result
+
+
+def assert_same(sync, overlapped):
+    for key in ("tokens", "finish", "accepted", "drafts"):
+        assert overlapped[key] == sync[key], key
+    assert sync["ahead"] == 0 and overlapped["ahead"] > 0
+    assert sync["pages_in_use"] == overlapped["pages_in_use"] == 0
+
+
+@pytest.mark.parametrize("storage,num_draft", [("paged", 7), ("dense", 7), ("paged", 1), ("none", None)])
+def test_greedy_outputs_equal_with_and_without_async_scheduling(tmp_path, storage, num_draft):
+    target, drafter = make_pair(tmp_path)
+    drafter = None if storage == "none" else drafter
+    settings = {} if drafter is None else dict(context_storage=storage, num_speculative_tokens=num_draft)
+    prompts = random_prompts(5, 160, low=3, high=50)
+    params = SamplingParams(max_tokens=int(torch.randint(30, 60, ())), temperature=0, ignore_eos=True)
+    sync = run(target, drafter, prompts, params, async_scheduling=False, **settings)
+    assert_same(sync, run(target, drafter, prompts, params, async_scheduling=True, **settings))
+
+
+def test_a_request_stopping_mid_run_drops_its_step_ahead(tmp_path):
+    """Stop tokens taken from the outputs themselves end requests mid-run, at different steps."""
+    target, drafter = make_pair(tmp_path)
+    prompts = random_prompts(4, 160, low=3, high=40)
+    free = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
+    tokens = run(target, drafter, prompts, free, async_scheduling=False)["tokens"]
+    stops = sorted({tokens[0][20], tokens[2][35]})
+    params = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True, stop_token_ids=stops)
+    sync = run(target, drafter, prompts, params, async_scheduling=False)
+    overlapped = run(target, drafter, prompts, params, async_scheduling=True)
+    assert_same(sync, overlapped)
+    assert "stop" in sync["finish"] and overlapped["dropped"] > 0
+
+
+def test_high_acceptance_and_seeded_sampling_equal_without_async_scheduling(tmp_path):
+    """Multi-token accepts (the next bonus is read after them on the device) with an oracle drafter,
+    then seeded sampling (each request's own generator draws in the same order)."""
+    target, drafter = make_pair(tmp_path)
+    prompts = random_prompts(4, 160, low=3, high=40)
+    greedy = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    reference = run(target, None, prompts, greedy, async_scheduling=False)["tokens"]
+    references = {tuple(p): p + out for p, out in zip(prompts, reference)}
+    for async_scheduling in (False, True):
+        llm = LLM(target, drafter, async_scheduling=async_scheduling, num_speculative_tokens=7, **SETTINGS)
+        oracle = OracleDrafter(llm, references)
+        assert [out.outputs[0].token_ids for out in llm.generate(prompts, greedy)] == reference
+        assert llm.stats.num_accepted_tokens == oracle.expected_accepted
+        assert llm.stats.mean_acceptance_length > 2.0
+        assert (llm.engine.steps_ahead > 0) == async_scheduling
+        llm.close()
+    sampled = [SamplingParams(max_tokens=40, temperature=0.9, top_p=0.95, seed=int(seed), ignore_eos=True)
+               for seed in torch.randint(0, 2**31, (len(prompts),))]
+    sync = run(target, drafter, prompts, sampled, async_scheduling=False)
+    assert_same(sync, run(target, drafter, prompts, sampled, async_scheduling=True))
+
+
+def test_abort_while_a_step_is_ahead_frees_everything_and_changes_no_other_output(tmp_path):
+    target, drafter = make_pair(tmp_path)
+    prompts = random_prompts(3, 160, low=3, high=40)
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    expected = run(target, drafter, prompts, params, async_scheduling=False)["tokens"]
+    llm = LLM(target, drafter, **SETTINGS)
+    engine = llm.engine
+    seqs = [engine.add_request(f"r{i}", prompt, params) for i, prompt in enumerate(prompts)]
+    while engine._ahead is None:
+        engine.step()
+    engine.abort("r1")
+    while engine.has_unfinished:
+        engine.step()
+    assert engine.dropped_ahead >= 1 and seqs[1].finish_reason == "abort"
+    assert [seqs[0].output_token_ids, seqs[2].output_token_ids] == [expected[0], expected[2]]
+    assert expected[1][:len(seqs[1].output_token_ids)] == seqs[1].output_token_ids
+    assert engine.scheduler.pool.stats().num_used_blocks == 0
+    llm.close()
+
+
+@pytest.mark.parametrize("draw", range(10))
+def test_uniform_decode_batch_equals_pack(draw):
+    tokens_per_block, num_draft = int(torch.randint(1, 5, ())) * 4, int(torch.randint(0, 6, ()))
+    num_seqs = int(torch.randint(1, 6, ()))
+    starts = torch.randint(0, 40, (num_seqs,))
+    bonus = torch.randint(0, 100, (num_seqs,))
+    columns = (int(starts.max()) + num_draft + 1 + tokens_per_block - 1) // tokens_per_block + 1
+    table = torch.randint(0, 50, (num_seqs, columns), dtype=torch.int32)
+    batch = uniform_decode_batch(bonus, starts, table, num_draft, tokens_per_block, taps=True)
+    chunks = [SeqChunk([int(bonus[i])] + [0] * num_draft, int(starts[i]), table[i].tolist(), num_draft + 1,
+                       num_draft + 1) for i in range(num_seqs)]
+    expected = pack(chunks, tokens_per_block)
+    for name in expected.__dataclass_fields__:
+        assert torch.equal(getattr(batch, name), getattr(expected, name)), name
+
+
+def test_plan_ahead_refuses_what_the_scheduler_might_plan_otherwise(tmp_path):
+    target, drafter = make_pair(tmp_path)
+    llm = LLM(target, drafter, num_speculative_tokens=3, async_scheduling=False, **SETTINGS)
+    engine, scheduler = llm.engine, llm.engine.scheduler
+    greedy = SamplingParams(max_tokens=100, temperature=0, ignore_eos=True)
+    seq = engine.add_request("a", [5, 6, 7, 8], greedy)
+    engine.step()  # prefill: now decoding
+    current = SchedulerOutput(decodes=[DecodeWork(seq, 3)])
+    with_prefill = SchedulerOutput(decodes=current.decodes, prefills=[object()])
+    assert plan_ahead(scheduler, with_prefill, [3], 3) is None
+    seq.params = SamplingParams(max_tokens=100, temperature=0.8)  # unseeded sampling
+    assert plan_ahead(scheduler, current, [3], 3) is None
+    # the scheduler gives K 3 after `current` only if max_tokens leaves 3 + 1 more after its 3 + 1
+    seq.params = SamplingParams(max_tokens=len(seq.output_token_ids) + 7, temperature=0)
+    assert plan_ahead(scheduler, current, [3], 3) is None
+    seq.params = greedy
+    waiting = engine.add_request("b", [9, 9], greedy)
+    assert plan_ahead(scheduler, current, [3], 3) is None  # an admission would change the plan
+    engine.abort("b")
+    assert waiting.finish_reason == "abort"
+    tables_before = list(seq.block_table)
+    planned = plan_ahead(scheduler, current, [3], 3)
+    assert [work.num_draft for work in planned.decodes] == [3] and planned.decodes[0].seq is seq
+    # pages for the longest outcome: every draft of `current` accepted, then K + 1 more rows
+    covered = len(seq.block_table) * SETTINGS["tokens_per_block"]
+    assert covered >= seq.num_computed + 4 + 4 and seq.block_table[:len(tables_before)] == tables_before
+    seq.params = SamplingParams(max_tokens=len(seq.output_token_ids) + 8, temperature=0)  # just enough
+    assert plan_ahead(scheduler, current, [3], 3) is not None
+    llm.close()
