@@ -32,16 +32,17 @@ def markdown(result: dict) -> str:
         f"K {result.get('num_speculative_tokens', '-')}, acceptance simulated around "
         f"{result['simulate_acceptance']} (bench only), {result['steps']} timed steps per case and mode",
         "- plain: an engine without a drafter; DFlash: the engine with the drafter. Each case is timed "
-        "from CUDA graphs and eagerly, side by side on the same engine and sequences.",
+        "from CUDA graphs and eagerly, side by side on the same engine and sequences; with async "
+        "scheduling (the next step queued before this one is read) unless marked 'sync'.",
         "",
         "ms per step: median (p10-p90); tok/s: emitted tokens over the timed steps; kernels: GPU kernels "
         "one step runs (torch profiler; from graphs they are replayed by one launch per graph, not "
         "launched one by one).",
         "",
         "| B | context | plain ms, graphs | plain ms, eager | plain tok/s graphs / eager | DFlash ms, graphs "
-        "| DFlash ms, eager | DFlash tok/s graphs / eager | acceptance | kernels DFlash graphs / eager "
-        "| HF decode ms | HF verify K+1 ms |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| DFlash ms, graphs sync | DFlash ms, eager | DFlash tok/s graphs / eager | acceptance "
+        "| kernels DFlash graphs / eager | HF decode ms | HF verify K+1 ms |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for case in result["dflash"]:
         key = (case["batch"], case["context"])
@@ -49,7 +50,7 @@ def markdown(result: dict) -> str:
         lines.append(
             f"| {key[0]} | {key[1]} | {_ms((base or {}).get('graphs'))} | {_ms((base or {}).get('eager'))} | "
             f"{_cell(base, 'graphs', 'tokens_per_s')} / {_cell(base, 'eager', 'tokens_per_s')} | "
-            f"{_ms(case.get('graphs'))} | {_ms(case.get('eager'))} | "
+            f"{_ms(case.get('graphs'))} | {_ms(case.get('graphs_sync'))} | {_ms(case.get('eager'))} | "
             f"{_cell(case, 'graphs', 'tokens_per_s')} / {_cell(case, 'eager', 'tokens_per_s')} | "
             f"{_cell(case, 'graphs' if 'graphs' in case else 'eager', 'mean_acceptance_length', '{:.2f}')} | "
             f"{_cell(case, 'graphs', 'kernel_launches')} / {_cell(case, 'eager', 'kernel_launches')} | "

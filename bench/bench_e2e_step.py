@@ -38,6 +38,7 @@ import torch
 
 from bench.bench_e2e_checkpoints import write_random_pair
 from bench.bench_e2e_report import markdown, plot
+from foundation.host_transfer import to_device
 
 RESULTS = Path(__file__).resolve().parent / "results"
 logger = logging.getLogger("bench_e2e_step")
@@ -61,8 +62,8 @@ class SimulatedAcceptance:
 
     def __call__(self, drafts, targets, owners, columns, num_drafts: torch.Tensor) -> torch.Tensor:
         rates = torch.full((num_drafts.shape[0],), self.rate)
-        drawn = torch.poisson(rates, generator=self.generator).to(torch.int64)
-        return torch.minimum(drawn.to(num_drafts.device), num_drafts)
+        drawn = torch.poisson(rates, generator=self.generator).to(torch.int64).tolist()
+        return torch.minimum(to_device(drawn, torch.int64, num_drafts.device), num_drafts)
 
     def __enter__(self):
         self.module.accepted_lengths = self
@@ -82,17 +83,27 @@ def _spread(values: list[float]) -> dict:
     }
 
 
-def _timed_steps(engine, device: torch.device, steps: int) -> tuple[list[float], int]:
-    """Seconds of each of `steps` engine steps, and the tokens they emitted."""
+def _timed_steps(engine, device: torch.device, steps: int, on_start=None) -> tuple[list[float], int]:
+    """Seconds of each of `steps` engine steps, and the tokens they emitted.
+
+    No synchronisation between steps: `engine.step()` returns once it has read its step's tokens, so
+    the returns are paced by the device, and a step queued ahead of that read (async scheduling)
+    overlaps the host's work as in serving. One untimed step first puts that pipeline in its steady
+    state; a step's time is from the return of the one before to its own return. `on_start` is
+    called after that step, before the timing starts.
+    """
+    engine.step()
+    if on_start is not None:
+        on_start()
     before = sum(len(seq.output_token_ids) for seq in engine.sequences.values())
-    times = []
+    times, last = [], time.perf_counter()
     for _ in range(steps):
-        _sync(device)
-        started = time.perf_counter()
         engine.step()
-        _sync(device)
-        times.append(time.perf_counter() - started)
+        now = time.perf_counter()
+        times.append(now - last)
+        last = now
     after = sum(len(seq.output_token_ids) for seq in engine.sequences.values())
+    _sync(device)
     return times, after - before
 
 
@@ -153,10 +164,12 @@ def engine_case(llm, batch: int, context: int, steps: int, k: int, vocab: int, s
             engine.step()
         _sync(device)
         result["prefill_s"] = round(time.perf_counter() - started, 4)
-        for label, on in (("graphs", True), ("eager", False)):
+        modes = (("graphs", True, True), ("graphs_sync", True, False), ("eager", False, True))
+        for label, on, overlapped in modes:
             if on and saved[0] is None:
                 continue  # an engine without graphs (CPU, or enforce_eager)
             _graphs_on(engine, on, saved)
+            engine.async_scheduling = overlapped
             engine.step()  # warm-up of this shape
             preemptions = engine.scheduler.num_preemptions
             running = sum(not seq.is_finished for seq in engine.sequences.values())
@@ -171,6 +184,7 @@ def engine_case(llm, batch: int, context: int, steps: int, k: int, vocab: int, s
             }
     finally:
         _graphs_on(engine, True, saved)
+        engine.async_scheduling = True
         for request_id in ids:
             if request_id in engine.sequences:
                 engine.abort(request_id)

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from bench.bench_e2e_step import SimulatedAcceptance, _device_name, _sync, _timed_steps, random_pair_for
+from bench.bench_e2e_step import SimulatedAcceptance, _device_name, _timed_steps, random_pair_for
 from target_service.service import TargetService
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -59,10 +59,12 @@ def step_case(engine, batch: int, context: int, steps: int, seed: int, counters=
     try:
         while any(not seq.output_token_ids for seq in engine.sequences.values()):
             engine.step()
-        engine.step()
-        before = counters() if counters else {}
-        _sync(device)
-        times, tokens = _timed_steps(engine, device, steps)
+        before = {}
+
+        def read_counters():
+            before.update(counters() if counters else {})
+
+        times, tokens = _timed_steps(engine, device, steps, on_start=read_counters)
         after = counters() if counters else {}
     finally:
         for request_id in ids:
