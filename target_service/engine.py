@@ -165,6 +165,7 @@ class LLMEngine:
         (`target_service.step_ahead`): the host then checks stops and commits while the GPU runs it.
         """
         launched = self._ahead or self._launch_scheduled()
+        self._ahead = launched  # should launching the next one fail, the next call still reads this
         self._ahead = self._launch_ahead(launched) if self.async_scheduling else None
         finished = self._complete(launched)
         self._drop_stale_ahead()

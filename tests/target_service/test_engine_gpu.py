@@ -60,3 +60,27 @@ def test_pool_budget_from_gpu_memory_utilization(tmp_path):
     # the pool takes what 2% of the device leaves after what is in use, never more
     assert 0 < pool_bytes <= 0.02 * total
     assert len(llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4))[0].outputs[0].token_ids) == 4
+
+
+@pytest.mark.parametrize("storage", ["paged", "dense"])
+def test_async_scheduling_with_graphs_equals_the_engine_without_it(tmp_path, storage):
+    """On the GPU the step ahead is queued while the host reads the step before: same tokens,
+    acceptance and finish reasons as reading every step first (stop tokens end requests mid-run)."""
+    target, drafter = make_pair(tmp_path)
+    prompts = random_prompts(6, 160, low=5, high=90)
+    settings = dict(device="cuda", dtype="float32", max_num_seqs=8, kv_cache_memory="64MiB",
+                    tokens_per_block=16, max_model_len=256, context_storage=storage, num_speculative_tokens=7)
+    free = [out.outputs[0].token_ids for out in LLM(target, drafter, **settings).generate(prompts, GREEDY)]
+    params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True, stop_token_ids=[free[0][12]])
+    results = {}
+    for async_scheduling in (False, True):
+        llm = LLM(target, drafter, async_scheduling=async_scheduling, **settings)
+        outputs = llm.generate(prompts, params)
+        results[async_scheduling] = ([out.outputs[0].token_ids for out in outputs],
+                                     [out.outputs[0].finish_reason for out in outputs],
+                                     llm.stats.num_accepted_tokens)
+        assert (llm.engine.steps_ahead > 0) == async_scheduling
+        assert llm.engine.graphs.replays > 0
+        assert llm.engine.scheduler.pool.stats().num_used_blocks == 0
+        llm.close()
+    assert results[True] == results[False]
