@@ -14,7 +14,7 @@ splitting the services into processes changes nothing here.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -30,9 +30,9 @@ from target_service.sampling import choose_tokens
 from target_service.sampling_params import SamplingParams
 from target_service.scheduler import DecodeWork, PrefillChunk, Scheduler, SchedulerOutput
 from target_service.sequence import Sequence
-from target_service.step_ahead import next_starts, plan_ahead, uniform_decode_batch
+from target_service.step_ahead import next_inputs, plan_ahead, uniform_decode_batch
 from target_service.stop_checker import StopChecker
-from target_service.verify import DraftIndex
+from target_service.verify import DeviceDraftIndex, DraftIndex
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +50,8 @@ class _Launched:
     """A step queued on the device whose results the host has not read yet."""
 
     plan: SchedulerOutput
-    num_drafts: list[int]  # per decode, in plan order
+    proposed: list[int]  # drafts verified per decode, in plan order
+    num_drafts: list[int] | None  # ... of which may count; None: decided on the device (a step ahead)
     rows: dict[int, _Rows]  # seq_id -> its rows in the packed forward
     targets: torch.Tensor  # the target's token at every logits row [R]
     accepted: torch.Tensor | None  # accepted drafts per decode; None: no drafts in the step
@@ -177,27 +178,31 @@ class LLMEngine:
         if plan.is_empty:
             raise RuntimeError("the scheduler found no work although requests are waiting")
         scheduled = _scheduled(plan)
-        num_drafts = self._propose(plan.decodes, scheduled)
-        chunks, rows, index = self._chunks(plan, num_drafts)
-        return self._launch(plan, num_drafts, rows, pack(chunks, self.tokens_per_block, self.device), index)
+        proposed = self._propose(plan.decodes, scheduled)
+        num_drafts = [min(work.num_draft, count) for work, count in zip(plan.decodes, proposed)]
+        chunks, rows, index = self._chunks(plan, proposed, num_drafts)
+        batch = pack(chunks, self.tokens_per_block, self.device)
+        verify = index.to_device(self.device) if index.num_draft_tokens else None
+        return self._launch(plan, proposed, num_drafts, rows, batch, verify)
 
     def _launch_ahead(self, current: _Launched) -> _Launched | None:
         """Queue the step after `current` from its device results, when that is exactly the step the
         scheduler would plan next (`step_ahead.plan_ahead`); None otherwise."""
         num_draft = self.scheduler.num_speculative_tokens if self.drafter is not None else 0
-        plan = plan_ahead(self.scheduler, current.plan, current.num_drafts, num_draft)
+        plan = plan_ahead(self.scheduler, current.plan, current.proposed, num_draft)
         if plan is None:
             return None
         seqs = [work.seq for work in plan.decodes]
         logit_starts = [current.rows[seq.seq_id].logits.start for seq in seqs]
         computed = [seq.num_computed for seq in seqs]  # where `current` started: it is not read yet
-        slots = [seq.slot for seq in seqs]
-        logit_starts_d, starts_d, seq_slots_d = to_device([logit_starts, computed, slots], torch.int64,
-                                                          self.device)
+        remaining = [seq.params.max_tokens - len(seq.output_token_ids) for seq in seqs]  # ... and ended
+        logit_starts_d, starts_d, remaining_d, seq_slots_d = to_device(
+            [logit_starts, computed, remaining, [seq.slot for seq in seqs]], torch.int64, self.device)
         columns = max(len(seq.block_table) for seq in seqs)
         padded = [seq.block_table + [0] * (columns - len(seq.block_table)) for seq in seqs]
         table = to_device(padded, torch.int32, self.device)
-        bonus, starts = next_starts(current.targets, current.accepted, logit_starts_d, starts_d)
+        bonus, starts, max_accepted = next_inputs(current.targets, current.accepted, logit_starts_d, starts_d,
+                                                  remaining_d, num_draft, self.scheduler.max_model_len)
         if num_draft:
             self.step_buffers.stage_propose_tensors(bonus, starts, seq_slots_d, table)
             if not self._call_propose(len(seqs), num_draft, columns, seqs):
@@ -210,19 +215,20 @@ class LLMEngine:
             tap_rows = slice(i * q_len * taps, (i + 1) * q_len * taps)
             rows[seq.seq_id] = _Rows(slice(i * q_len, (i + 1) * q_len), tap_rows)
             index.add_decode(num_draft, source_row=i, width=width, input_row=i * q_len, logit_row=i * q_len)
-        return self._launch(plan, [num_draft] * len(seqs), rows, batch, index)
+        verify = replace(index.to_device(self.device), max_accepted=max_accepted) if num_draft else None
+        return self._launch(plan, [num_draft] * len(seqs), None, rows, batch, verify)
 
-    def _launch(self, plan: SchedulerOutput, num_drafts: list[int], rows: dict[int, _Rows],
-                batch: ForwardBatch, index: DraftIndex) -> _Launched:
-        """Queue a planned step's forward, its verification and its context store; start the read."""
-        verify = index.to_device(self.device) if index.num_draft_tokens else None
+    def _launch(self, plan: SchedulerOutput, proposed: list[int], num_drafts: list[int] | None,
+                rows: dict[int, _Rows], batch: ForwardBatch, verify: DeviceDraftIndex | None) -> _Launched:
+        """Queue a planned step's forward, its verification (None: no drafts) and its context store;
+        start the read."""
         drafts = verify.place_drafts(self.step_buffers.draft_tokens, batch.input_ids) if verify else None
-        output = self._forward(batch, plan, num_drafts)
+        output = self._forward(batch, plan, proposed)
         targets = self._target_tokens(output.logits, _scheduled(plan), rows)
         accepted = verify.accepted_lengths(drafts, targets) if verify else None
         readback = HostReadback(targets if accepted is None else torch.cat([targets, accepted]))
         self._store_context(batch, output.taps, plan, rows, accepted)
-        return _Launched(plan, num_drafts, rows, targets, accepted, readback)
+        return _Launched(plan, proposed, num_drafts, rows, targets, accepted, readback)
 
     def _complete(self, launched: _Launched) -> list[Sequence]:
         """Read a launched step's tokens; emit, commit, and return the sequences that finished. A
@@ -233,9 +239,12 @@ class LLMEngine:
         targets, accepted = values[:num_targets], values[num_targets:]
         live = [seq for seq in _scheduled(plan) if not seq.finish_reason]
         self.dropped_ahead += len(plan.decodes) + len(plan.prefills) - len(live)
+        num_drafts = launched.num_drafts  # a step ahead: what the device decided, from the same rule
+        if num_drafts is None:
+            num_drafts = [self.scheduler.num_draft_tokens(work.seq) for work in plan.decodes]
         for i, work in enumerate(plan.decodes):
             if not work.seq.finish_reason:
-                self._accept(work, launched.num_drafts[i], accepted[i] if accepted else 0,
+                self._accept(work, num_drafts[i], accepted[i] if accepted else 0,
                              targets[launched.rows[work.seq.seq_id].logits])
         for chunk in plan.prefills:
             if not chunk.seq.finish_reason:
@@ -254,17 +263,17 @@ class LLMEngine:
         """Drafts per decode (0 for none) from one drafter call (K = the largest asked for), left in
         the step buffers' draft_tokens in the order of the decodes that draft; all 0 when the
         drafter is unavailable."""
-        drafting = [work for work in decodes if work.num_draft > 0]
+        drafting = [work for work in decodes if work.num_proposed > 0]
         if self.drafter is None or not drafting:
             return [0] * len(decodes)
-        num_draft = max(work.num_draft for work in drafting)
+        num_draft = max(work.num_proposed for work in drafting)
         seqs = [work.seq for work in drafting]
         columns = self.step_buffers.stage_propose(
             [seq.bonus_token for seq in seqs], [seq.num_computed for seq in seqs], [seq.slot for seq in seqs],
             [seq.block_table for seq in seqs])
         if not self._call_propose(len(seqs), num_draft, columns, scheduled):
             return [0] * len(decodes)
-        return [work.num_draft for work in decodes]
+        return [work.num_proposed for work in decodes]
 
     def _call_propose(self, num_seqs: int, num_draft: int, columns: int, scheduled: list[Sequence]) -> bool:
         """Ask the drafter for the staged rows' drafts; False (and `scheduled` go on plainly) when it
@@ -290,19 +299,19 @@ class LLMEngine:
                     return output
         return self.target(batch, self.target_caches)
 
-    def _chunks(self, plan: SchedulerOutput, num_drafts: list[int]):
+    def _chunks(self, plan: SchedulerOutput, proposed: list[int], num_drafts: list[int]):
         """The packed forward's chunks (a decode's draft rows hold 0 until `place_drafts` fills them
         on the device), where each sequence's logits and tap rows land, and the drafts' `DraftIndex`."""
         taps = self.drafter is not None
         chunks, rows, index, logit_row, tap_row, input_row, source_row = [], {}, DraftIndex(), 0, 0, 0, 0
         width = self._draft_width()
-        for work, num_draft in zip(plan.decodes, num_drafts):
+        for work, num_draft, counted in zip(plan.decodes, proposed, num_drafts):
             seq = work.seq
             num_rows = 1 + num_draft
             chunks.append(SeqChunk([seq.bonus_token] + [0] * num_draft, seq.num_computed, seq.block_table,
                                    num_rows, num_rows * taps))
             index.add_decode(num_draft, source_row=source_row, width=width, input_row=input_row,
-                             logit_row=logit_row)
+                             logit_row=logit_row, max_accepted=counted)
             source_row += num_draft > 0
             logit_row, input_row = logit_row + num_rows, input_row + num_rows
         for chunk in plan.prefills:

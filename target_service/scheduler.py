@@ -35,10 +35,21 @@ class PrefillChunk:
 
 @dataclass(frozen=True)
 class DecodeWork:
-    """One speculative step of `seq`: draft `num_draft` tokens, verify num_draft + 1 rows."""
+    """One speculative step of `seq`: verify `num_proposed` drafts (num_proposed + 1 rows), of which
+    the first `num_draft` may be accepted.
+
+    Every drafting sequence verifies the same K rows so that the step stays uniform (one CUDA graph);
+    a sequence allowed fewer drafts (near its max_tokens) has the extra ones verified and ignored:
+    causal attention keeps them out of the rows that count, so its tokens are the same.
+    """
 
     seq: Sequence
     num_draft: int
+    num_proposed: int | None = None  # None: num_draft
+
+    def __post_init__(self):
+        if self.num_proposed is None:
+            object.__setattr__(self, "num_proposed", self.num_draft)
 
 
 @dataclass
@@ -80,6 +91,13 @@ class Scheduler:
         remaining = seq.params.max_tokens - len(seq.output_token_ids)
         return max(0, min(self.num_speculative_tokens, self.max_model_len - n - 2, remaining - 1))
 
+    def num_proposed_tokens(self, seq: Sequence, num_draft: int) -> int:
+        """Drafts to verify: K for every sequence with context whose K + 1 rows fit max_model_len (the
+        uniform step), whatever `num_draft` of them may count; else num_draft."""
+        if seq.has_context and seq.num_computed + self.num_speculative_tokens + 2 <= self.max_model_len:
+            return self.num_speculative_tokens
+        return num_draft
+
     # ---- one step -------------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
@@ -89,10 +107,11 @@ class Scheduler:
         work = []
         for seq in decoding:
             num_draft = self.num_draft_tokens(seq)
-            if num_draft + 1 > budget:
+            num_proposed = self.num_proposed_tokens(seq, num_draft)
+            if num_proposed + 1 > budget:
                 break
-            budget -= num_draft + 1
-            work.append(DecodeWork(seq, num_draft))
+            budget -= num_proposed + 1
+            work.append(DecodeWork(seq, num_draft, num_proposed))
         out.decodes = self._reserve(work, out.preempted)
         for seq in self.running:
             if seq.is_prefilling and budget > 0:
@@ -106,7 +125,7 @@ class Scheduler:
     def _reserve(self, work: list[DecodeWork], preempted: list[Sequence]) -> list[DecodeWork]:
         """Reserve every verify block in one call; preempt the newest running sequence until it fits."""
         while work:
-            requests = [ReserveRequest(w.seq.seq_id, w.seq.num_computed + w.num_draft + 1) for w in work]
+            requests = [ReserveRequest(w.seq.seq_id, w.seq.num_computed + w.num_proposed + 1) for w in work]
             try:
                 appended = self.pool.reserve(requests)
             except PoolExhausted:

@@ -9,10 +9,11 @@ yet it bounds: pages are reserved for the longest outcome (every draft accepted)
 that finishes in the current step runs one step too many, whose results are dropped.
 
 The step ahead is taken only when it is exactly the step the scheduler would plan after the current
-one: same sequences, the same K for each whatever the current step accepts (max_model_len and
-max_tokens are far enough away), within the token budget, without preempting; and only for greedy
-requests or those with their own generator, so the engine's shared generator is never drawn for a
-step that is dropped. Anything else waits for the current step and is scheduled as usual.
+one: same sequences, each verifying K drafts whatever the current step accepts (max_model_len far
+enough away), within the token budget, without preempting; and only for greedy requests or those
+with their own generator, so the engine's shared generator is never drawn for a step that is
+dropped. How many of its drafts may count (fewer near max_tokens) the device decides with the
+scheduler's rule. Anything else waits for the current step and is scheduled as usual.
 """
 
 from __future__ import annotations
@@ -27,8 +28,9 @@ from target_service.scheduler import DecodeWork, Scheduler, SchedulerOutput
 
 def plan_ahead(scheduler: Scheduler, current: SchedulerOutput, num_drafts: list[int],
                num_draft: int) -> SchedulerOutput | None:
-    """The step after `current` (decodes drafting `num_draft` each) when it can be planned now,
-    reserving its pages for the longest outcome of `current`; None when it cannot."""
+    """The step after `current` (whose decodes verified `num_drafts`) with every decode verifying
+    `num_draft`, when it can be planned now, reserving its pages for the longest outcome of
+    `current`; None when it cannot."""
     seqs = [work.seq for work in current.decodes]
     if current.prefills or current.preempted or scheduler.waiting or not seqs:
         return None
@@ -39,15 +41,12 @@ def plan_ahead(scheduler: Scheduler, current: SchedulerOutput, num_drafts: list[
     requests = []
     for seq, drafted in zip(seqs, num_drafts):
         longest = seq.num_computed + drafted + 1  # num_computed after `current` accepts every draft
-        outputs = len(seq.output_token_ids) + drafted + 1
         if num_draft and not seq.has_context:
             return None
         if not (seq.params.greedy or seq.generator is not None):
             return None
-        # otherwise the scheduler might give it fewer drafts (`Scheduler.num_draft_tokens`)
-        too_long = longest + num_draft + 2 > scheduler.max_model_len
-        if too_long or outputs + num_draft + 1 > seq.params.max_tokens:
-            return None
+        if longest + num_draft + 2 > scheduler.max_model_len:
+            return None  # the scheduler might verify fewer rows (`Scheduler.num_proposed_tokens`)
         requests.append(ReserveRequest(seq.seq_id, longest + num_draft + 1))
     try:
         appended = scheduler.pool.reserve(requests)
@@ -55,16 +54,21 @@ def plan_ahead(scheduler: Scheduler, current: SchedulerOutput, num_drafts: list[
         return None  # the scheduler would preempt: let it, after the current step
     for seq, blocks in zip(seqs, appended):
         seq.block_table.extend(blocks)
-    return SchedulerOutput(decodes=[DecodeWork(seq, num_draft) for seq in seqs])
+    # how many of the drafts may count is decided on the device (`next_inputs`): K is the bound
+    return SchedulerOutput(decodes=[DecodeWork(seq, num_draft, num_draft) for seq in seqs])
 
 
-def next_starts(targets: torch.Tensor, accepted: torch.Tensor | None, logit_starts: torch.Tensor,
-                starts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each decode's next bonus token and start position [B], from the current step's device results:
-    the target's token after its accepted drafts, at its start + accepted + 1."""
+def next_inputs(targets: torch.Tensor, accepted: torch.Tensor | None, logit_starts: torch.Tensor,
+                starts: torch.Tensor, remaining: torch.Tensor, num_draft: int, max_model_len: int):
+    """Each decode's next bonus token, start position and drafts that may count [B], from the current
+    step's device results: the target's token after its accepted drafts, at start + accepted + 1;
+    `Scheduler.num_draft_tokens` of that state (remaining: max_tokens minus the outputs before the
+    current step)."""
     if accepted is None:
         accepted = torch.zeros_like(starts)
-    return targets[logit_starts + accepted], starts + accepted + 1
+    next_starts = starts + accepted + 1
+    limit = torch.minimum(max_model_len - next_starts - 2, remaining - accepted - 2)
+    return targets[logit_starts + accepted], next_starts, limit.clamp(min=0, max=num_draft)
 
 
 def uniform_decode_batch(bonus: torch.Tensor, starts: torch.Tensor, block_table: torch.Tensor,

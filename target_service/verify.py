@@ -29,7 +29,8 @@ class DraftIndex:
     Per draft: `input_rows` (the forward row whose input token it is), `sources` (its flat index in
     the step buffers' draft_tokens [S, W]), `logit_rows` (the logits row whose target token it must
     equal), `owners` (its decode's index in the step) and `columns` (its place in that decode's
-    drafts). Per decode: `num_drafts`.
+    drafts). Per decode: `num_drafts` (verified) and `max_accepted` (how many of them may count:
+    fewer near the request's max_tokens, `DecodeWork`).
     """
 
     input_rows: list[int] = field(default_factory=list)
@@ -38,13 +39,16 @@ class DraftIndex:
     owners: list[int] = field(default_factory=list)
     columns: list[int] = field(default_factory=list)
     num_drafts: list[int] = field(default_factory=list)
+    max_accepted: list[int] = field(default_factory=list)
 
     def add_decode(self, num_draft: int, *, source_row: int, width: int, input_row: int,
-                   logit_row: int) -> None:
+                   logit_row: int, max_accepted: int | None = None) -> None:
         """A decode verifying `num_draft` drafts (row `source_row` of draft_tokens, `width` columns
-        wide), its bonus at forward row `input_row` and its first logits row at `logit_row`."""
+        wide), its bonus at forward row `input_row` and its first logits row at `logit_row`; at most
+        `max_accepted` of them (default all) may be accepted."""
         owner = len(self.num_drafts)
         self.num_drafts.append(num_draft)
+        self.max_accepted.append(num_draft if max_accepted is None else max_accepted)
         for column in range(num_draft):
             self.input_rows.append(input_row + 1 + column)
             self.sources.append(source_row * width + column)
@@ -58,10 +62,11 @@ class DraftIndex:
 
     def to_device(self, device: torch.device | str) -> DeviceDraftIndex:
         per_draft = [self.input_rows, self.sources, self.logit_rows, self.owners, self.columns]
-        flat = to_device([value for field_ in per_draft for value in field_] + self.num_drafts, torch.int64,
-                         device)
-        count = self.num_draft_tokens
-        return DeviceDraftIndex(*flat.split([count] * len(per_draft) + [len(self.num_drafts)]))
+        per_decode = [self.num_drafts, self.max_accepted]
+        values = [value for field_ in per_draft + per_decode for value in field_]
+        flat = to_device(values, torch.int64, device)
+        count, decodes = self.num_draft_tokens, len(self.num_drafts)
+        return DeviceDraftIndex(*flat.split([count] * len(per_draft) + [decodes] * len(per_decode)))
 
 
 @dataclass(frozen=True)
@@ -74,6 +79,7 @@ class DeviceDraftIndex:
     owners: torch.Tensor
     columns: torch.Tensor
     num_drafts: torch.Tensor
+    max_accepted: torch.Tensor
 
     def place_drafts(self, draft_tokens: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         """Gather the step's drafts from draft_tokens [S, W] into the forward's `input_ids` (in
@@ -84,8 +90,9 @@ class DeviceDraftIndex:
 
     def accepted_lengths(self, drafts: torch.Tensor, target_tokens: torch.Tensor) -> torch.Tensor:
         """Accepted drafts per decode [num decodes] given the target's token of every logits row."""
-        return accepted_lengths(drafts, target_tokens[self.logit_rows], self.owners, self.columns,
-                                self.num_drafts)
+        accepted = accepted_lengths(drafts, target_tokens[self.logit_rows], self.owners, self.columns,
+                                    self.num_drafts)
+        return torch.minimum(accepted, self.max_accepted)
 
 
 def accepted_lengths(drafts: torch.Tensor, targets: torch.Tensor, owners: torch.Tensor, columns: torch.Tensor,

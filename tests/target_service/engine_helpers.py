@@ -47,7 +47,10 @@ class OracleDrafter:
 
     Since the target agrees with the reference exactly, the engine must accept precisely the
     uncorrupted prefix of each proposal: `expected_accepted` is that count, summed, computed here
-    independently of the engine's accept logic.
+    independently of the engine's accept logic. A proposal is counted once its step has run for its
+    sequence: with async scheduling a step launched ahead is dropped for a sequence that finished in
+    the step before (it starts where that sequence ended), and it is proposed before the host knows
+    the step's inputs, so the drafts that may count are worked out from the staged start position.
     """
 
     def __init__(self, llm: LLM, references: dict[tuple, list[int]], corrupt_every: int = 3):
@@ -55,7 +58,7 @@ class OracleDrafter:
         self.engine = llm.engine
         self.references = references  # prompt tuple -> prompt + reference output ids
         self.corrupt_every = corrupt_every
-        self.expected_accepted = 0
+        self.proposals = []  # (seq, start, accepted if the step runs)
         self.stored: dict[int, list[int]] = {}  # seq_id -> context positions written, in order
         llm.engine.drafter = self
 
@@ -93,11 +96,22 @@ class OracleDrafter:
                     token = (token + 1) % self.engine.target.config.vocab_size
                     corrupted_at = k - 1 if corrupted_at is None else corrupted_at
                 row.append(token)
-            usable = min(num_speculative_tokens, self._usable(seq))
+            usable = min(num_speculative_tokens, self._usable(seq, start))
             first_bad = corrupted_at if corrupted_at is not None else num_speculative_tokens
-            self.expected_accepted += min(first_bad, usable)
+            self.proposals.append((seq, start, min(first_bad, usable)))
             rows.append(row)
         buffers.draft_tokens[:num_seqs, :num_speculative_tokens].copy_(torch.tensor(rows))
 
-    def _usable(self, seq) -> int:
-        return self.engine.scheduler.num_draft_tokens(seq)
+    @property
+    def expected_accepted(self) -> int:
+        return sum(accepted for seq, start, accepted in self.proposals if start < seq.num_computed)
+
+    def _usable(self, seq, start: int) -> int:
+        """`Scheduler.num_draft_tokens` of the sequence as it will be when its step starts at `start`
+        (the engine may not have read the step before yet: its outputs grow by start - num_computed)."""
+        scheduler = self.engine.scheduler
+        if not seq.has_context:
+            return 0
+        remaining = seq.params.max_tokens - len(seq.output_token_ids) - (start - seq.num_computed)
+        limit = min(scheduler.num_speculative_tokens, scheduler.max_model_len - start - 2, remaining - 1)
+        return max(0, limit)

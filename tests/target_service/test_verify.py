@@ -67,3 +67,15 @@ def test_hand_made_step():
     assert input_ids.tolist() == [5, 7, 8, 9, 6, 1, 2, 3, 4]
     targets = torch.tensor([7, 4, 9, 9, 1, 2, 3, 8, 2])
     assert on_device.accepted_lengths(drafts, targets).tolist() == [1, 3, 0]
+
+
+def test_drafts_past_a_decodes_limit_are_verified_but_never_accepted():
+    """A decode verifying 3 drafts of which 1 may count (near its max_tokens) accepts at most 1 even
+    when all 3 match; one that may count 2 but misses at its first accepts 0."""
+    index = DraftIndex()
+    index.add_decode(3, source_row=0, width=3, input_row=0, logit_row=0, max_accepted=1)
+    index.add_decode(3, source_row=1, width=3, input_row=4, logit_row=4, max_accepted=2)
+    on_device = index.to_device("cpu")
+    drafts = on_device.place_drafts(torch.tensor([[7, 8, 9], [1, 2, 3]]), torch.zeros(8, dtype=torch.int64))
+    targets = torch.tensor([7, 8, 9, 4, 5, 2, 3, 6])
+    assert on_device.accepted_lengths(drafts, targets).tolist() == [1, 0]
