@@ -21,8 +21,8 @@ import torch
 from drafter_service.control import DraftControl, DrafterUnavailable
 from drafter_service.step_buffers import StepBuffers
 from foundation.host_transfer import HostReadback, to_device
-from kernels import PAD_SLOT
 from kvpool_service.control import PoolLimits
+from target_service.context_rows import SeqTaps, select_context_rows
 from target_service.cuda_graphs import GraphKey, TargetGraphs
 from target_service.forward_batch import ForwardBatch, SeqChunk, pack
 from target_service.outputs import SpecDecodeStats
@@ -357,41 +357,18 @@ class LLMEngine:
         """One drafter call: every tap row of the step, rows past a decode's accepted prefix (and
         rows of sequences whose context has a gap) skipped.
 
-        The rows' positions and pool slots are the forward's own (`batch`) and the accepted lengths
-        are the device's, so the rows are selected on the device: per sequence only its row count,
-        prefill length and slot cross to it (one copy), and nothing waits for the GPU.
+        The rows are selected on the device (`target_service.context_rows`): nothing waits for the GPU.
         """
         scheduled = _scheduled(plan)
         if self.drafter is None or taps.shape[0] == 0 or not any(seq.has_context for seq in scheduled):
             return
-        num_rows, num_decodes = taps.shape[0], len(plan.decodes)
-        counts, prefill_keeps, decode_keeps, seq_slots = [], [], [], []
-        for position, seq in enumerate(scheduled):
-            tap_rows = rows[seq.seq_id].taps
-            counts.append(tap_rows.stop - tap_rows.start)
-            is_decode = position < num_decodes
-            prefill_keeps.append(0 if is_decode or not seq.has_context else tap_rows.stop - tap_rows.start)
-            decode_keeps.append(int(is_decode and seq.has_context))
-            seq_slots.append(seq.slot)
-        if sum(counts) != num_rows:
-            raise RuntimeError(f"the step's sequences own {sum(counts)} tap rows; the forward returned "
-                               f"{num_rows}")
-        counts_d, prefill_d, decode_d, slots_d = to_device([counts, prefill_keeps, decode_keeps, seq_slots],
-                                                           torch.int64, self.device)
-        verified = torch.ones_like(decode_d)  # a decode keeps its bonus and its accepted drafts
-        if accepted is not None:
-            verified[:num_decodes] += accepted
-        keeps_d = prefill_d + decode_d * verified
-        owner = torch.repeat_interleave(torch.arange(len(counts), device=self.device), counts_d,
-                                        output_size=num_rows)
-        first_row = torch.cumsum(counts_d, 0) - counts_d
-        offset = torch.arange(num_rows, device=self.device) - first_row[owner]
-        tap_indices = batch.tap_indices
-        slots = torch.where(offset < keeps_d[owner], batch.slot_mapping[tap_indices], PAD_SLOT)
+        num_decodes = len(plan.decodes)
+        seqs = [SeqTaps(rows[seq.seq_id].taps.stop - rows[seq.seq_id].taps.start, position < num_decodes,
+                        seq.has_context, seq.slot) for position, seq in enumerate(scheduled)]
+        positions, seq_slots, slots = select_context_rows(batch, seqs, accepted)
         try:
             self.drafter.settle()  # the last step's context may still be read from the buffers
-            self.drafter.store_context(
-                self.step_buffers.stage_context(taps, batch.positions[tap_indices], slots_d[owner], slots))
+            self.drafter.store_context(self.step_buffers.stage_context(taps, positions, seq_slots, slots))
         except DrafterUnavailable as error:
             self._lose_context(scheduled, error)
 

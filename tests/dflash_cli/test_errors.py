@@ -149,3 +149,13 @@ def test_serve_refuses_bad_flags_before_starting_anything(dflash, argv, expected
     monkeypatch.setattr(deploy, "start_ray", lambda settings: pytest.fail("Ray was started"))
     code, err = dflash("serve", *argv)
     assert code == 2 and err.startswith(f"dflash serve: error: {expected}"), err
+
+
+@pytest.mark.parametrize("argv,expected", [([], True), (["--no-async-scheduling"], False)])
+def test_serve_async_scheduling_flag_reaches_the_engine_args(argv, expected):
+    from dflash_cli.main import build_parser
+    from dflash_cli.serve import serve_args
+
+    args = build_parser().parse_args(["serve", "--device", "cpu", *argv])
+    settings = serve_args(args)
+    assert settings.async_scheduling is expected and settings.engine_args().async_scheduling is expected

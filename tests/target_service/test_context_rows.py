@@ -83,3 +83,22 @@ def test_staged_context_rows_are_the_committed_positions_in_their_own_slots(tmp_
     assert sorted(len(positions) for positions in checker.stored.values()) == expected
     for positions in checker.stored.values():
         assert positions == list(range(len(positions)))  # each committed position once, in order
+
+
+def test_select_context_rows_by_hand():
+    """Two decodes of 3 rows (accepted 1 and 2; the second's context has a gap) and a prefill chunk
+    of 2 rows: kept are the first decode's bonus + 1 draft and the prefill's rows."""
+    import torch
+
+    from target_service.context_rows import SeqTaps, select_context_rows
+    from target_service.forward_batch import SeqChunk, pack
+
+    chunks = [SeqChunk([1, 2, 3], 10, [4], 3, 3), SeqChunk([5, 6, 7], 20, [5, 6], 3, 3),
+              SeqChunk([8, 9], 0, [7], 0, 2)]
+    batch = pack(chunks, 16)
+    seqs = [SeqTaps(3, True, True, 0), SeqTaps(3, True, False, 1), SeqTaps(2, False, True, 2)]
+    positions, seq_slots, slots = select_context_rows(batch, seqs, torch.tensor([1, 2]))
+    assert positions.tolist() == [10, 11, 12, 20, 21, 22, 0, 1]
+    assert seq_slots.tolist() == [0, 0, 0, 1, 1, 1, 2, 2]
+    skipped = [PAD_SLOT] * 4  # the first decode's rejected draft, and all of the second decode
+    assert slots.tolist() == [4 * 16 + 10, 4 * 16 + 11, *skipped, 7 * 16, 7 * 16 + 1]
