@@ -66,6 +66,8 @@ class EngineSnapshot:
     num_running: int
     num_waiting: int
     pool: object  # kvpool_service.control.PoolUsage
+    num_steps: int = 0  # engine steps read
+    num_steps_ahead: int = 0  # ... of which queued before the step before them was read
 
 
 @dataclass
@@ -112,7 +114,7 @@ class AsyncEngine:
         (each value is one read of a Python object: possibly a step old, never torn)."""
         engine = self.engine
         return EngineSnapshot(engine.stats.copy(), self.num_running, self.num_waiting,
-                              engine.scheduler.pool.stats())
+                              engine.scheduler.pool.stats(), engine.num_steps, engine.steps_ahead)
 
     def check(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Refuse (ValueError) a request that could never run, before anything is queued."""

@@ -73,7 +73,8 @@ class LLMEngine:
         self.graphs = graphs
         self.async_scheduling = async_scheduling
         self._ahead: _Launched | None = None  # the next step, launched before this one was read
-        self.steps_ahead = 0  # steps launched ahead
+        self.num_steps = 0  # steps read
+        self.steps_ahead = 0  # ... of which launched ahead
         self.dropped_ahead = 0  # sequences whose step ahead was dropped (finished the step before)
         self.stop_checker = stop_checker
         self.device = target.embed_weight.device
@@ -235,6 +236,7 @@ class LLMEngine:
         sequence already finished (in the step before, or aborted since) is left as it is: a step
         launched ahead ran it once too many, and those results are dropped."""
         values = launched.readback.tolist()
+        self.num_steps += 1
         num_targets, plan = launched.targets.shape[0], launched.plan
         targets, accepted = values[:num_targets], values[num_targets:]
         live = [seq for seq in _scheduled(plan) if not seq.finish_reason]

@@ -36,6 +36,9 @@ class _EngineCollector:
             ("dflash:spec_decode_num_draft_tokens", "Draft tokens proposed", stats.num_draft_tokens),
             ("dflash:spec_decode_num_accepted_tokens", "Draft tokens accepted",
              stats.num_accepted_tokens),
+            ("dflash:engine_steps", "Engine steps", snapshot.num_steps),
+            ("dflash:engine_steps_ahead", "Engine steps queued before the step before them was read (async "
+             "scheduling)", snapshot.num_steps_ahead),
         ):
             family = self._family(CounterMetricFamily, name, doc)
             family.add_metric(values, value)

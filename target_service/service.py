@@ -187,7 +187,8 @@ class TargetService:
         """The counters and queue lengths the server's metrics and admission read."""
         engine = self._started_engine()
         return {"stats": engine.stats.copy(), "num_running": len(engine.scheduler.running),
-                "num_waiting": self.async_engine.num_waiting, "healthy": self.async_engine.is_healthy}
+                "num_waiting": self.async_engine.num_waiting, "healthy": self.async_engine.is_healthy,
+                "num_steps": engine.num_steps, "num_steps_ahead": engine.steps_ahead}
 
     def check(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Refuse (ValueError) a request that could never run, before anything runs."""
