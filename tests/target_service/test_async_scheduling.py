@@ -176,3 +176,30 @@ def test_next_inputs_follow_the_accepted_drafts_and_the_schedulers_draft_rule(dr
         left = int(remaining[i]) - (a + 1)
         assert int(bonus[i]) == int(targets[logit_starts[i] + a]) and int(next_starts[i]) == n
         assert int(limits[i]) == max(0, min(num_draft, max_model_len - n - 2, left - 1))
+
+
+@pytest.mark.parametrize("storage", ["paged", "dense"])
+def test_steps_ahead_through_the_graph_runners_equal_target_only(tmp_path, storage):
+    """The graph runners (run eagerly on CPU, capture=False: the padding and the static inputs of a
+    replay) fed the batches a step ahead builds on the device: tokens equal target-only greedy."""
+    from drafter_service.cuda_graphs import ProposeGraphs
+    from target_service.cuda_graphs import GraphKey, TargetGraphs
+
+    target, drafter = make_pair(tmp_path)
+    prompts = random_prompts(3, 160, low=3, high=40)  # 3 sequences: graphs of 4 with one dummy
+    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    expected = run(target, None, prompts, params, async_scheduling=False)["tokens"]
+    llm = LLM(target, drafter, num_speculative_tokens=7, context_storage=storage, **SETTINGS)
+    engine = llm.engine
+    graphs = TargetGraphs(engine.target, engine.target_caches, sizes=[1, 2, 4, 8],
+                          keys=[GraphKey(8, True), GraphKey(1, True)],
+                          max_blocks_per_seq=SETTINGS["max_model_len"] // SETTINGS["tokens_per_block"],
+                          device=torch.device("cpu"), capture=False)
+    engine.graphs, engine.drafter.graphs = graphs, ProposeGraphs(engine.drafter, [1, 2, 4, 8], capture=False)
+    served = []
+    graphs_run = graphs.run
+    graphs.run = lambda batch, key: served.append(batch.num_seqs) or graphs_run(batch, key)
+    assert [out.outputs[0].token_ids for out in llm.generate(prompts, params)] == expected
+    assert engine.steps_ahead > 0 and 3 in served
+    assert engine.scheduler.pool.stats().num_used_blocks == 0
+    llm.close()
