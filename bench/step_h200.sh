@@ -5,7 +5,8 @@
 #   bash bench/step_h200.sh [flags for bench.bench_e2e_step; later flags win]
 #
 # The bench saves after every case to $OUT (default bench/results), so a run stopped at LIMIT
-# seconds (default 420) keeps what it measured; the tests' and the bench's logs go there too.
+# seconds (default 420) keeps what it measured; the tests' and the bench's logs go there too. Then
+# bench.bench_step_host profiles a B 1 step's host time (HOST_LIMIT seconds, default 120).
 # BASELINE=<commit> also times that commit's engine (B 1 and 32, ctx 2048, no HF) from a worktree,
 # right after, on the same machine: a side-by-side reference for a change to the step.
 set -uo pipefail
@@ -22,6 +23,10 @@ timeout "${LIMIT:-420}" python3 -m bench.bench_e2e_step --steps 8 --batch-sizes 
     --out "$OUT" --name e2e_step_h200_device "$@" > "$OUT/e2e_step.log" 2>&1
 echo "bench exit $?"
 tail -n 30 "$OUT/e2e_step.log"
+# where a graphed B 1 step's host time goes (cProfile), on the pair the bench wrote
+timeout "${HOST_LIMIT:-120}" python3 -m bench.bench_step_host --batch 1 --context 2048 --steps 40 --out "$OUT" \
+    --name step_host_h200 > "$OUT/step_host.log" 2>&1
+echo "host profile exit $?"
 if [ -n "${BASELINE:-}" ]; then
     git worktree add -f /tmp/baseline "$BASELINE" > /dev/null 2>&1 || echo "no worktree of $BASELINE"
     (cd /tmp/baseline && PYTHONPATH=/tmp/site:/tmp/baseline timeout "${BASELINE_LIMIT:-150}" python3 -m bench.bench_e2e_step \
