@@ -17,8 +17,8 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 python3 -c 'import pydantic, grpc, torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
 python3 -m pytest -q -p no:cacheprovider tests/foundation/test_host_transfer.py tests/target_service/test_verify.py \
     tests/target_service/test_engine_gpu.py tests/target_service/test_cuda_graph_padding.py \
-    tests/target_service/test_context_rows.py > "$OUT/gpu_tests_step.log" 2>&1
-tail -n 3 "$OUT/gpu_tests_step.log"
+    tests/target_service/test_context_rows.py > "$OUT/gpu_tests_step.txt" 2>&1
+tail -n 3 "$OUT/gpu_tests_step.txt"
 timeout "${LIMIT:-420}" python3 -m bench.bench_e2e_step --steps 8 --batch-sizes 1 32 --contexts 2048 8192 \
     --out "$OUT" --name e2e_step_h200_device "$@" > "$OUT/e2e_step.log" 2>&1
 echo "bench exit $?"
@@ -35,3 +35,4 @@ if [ -n "${BASELINE:-}" ]; then
     echo "baseline exit $?"
     tail -n 12 "$OUT/e2e_step_baseline.log"
 fi
+echo "GPU tests:"; tail -n 3 "$OUT/gpu_tests_step.txt"
