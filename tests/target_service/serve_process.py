@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
 
 import openai
+from free_ports import free_port
 
 from kvpool_service.client import KVPoolClient
 
@@ -28,12 +28,6 @@ def offline_completion(max_tokens: int = 32):
         return llm.generate([PROMPT], SamplingParams(max_tokens=max_tokens, temperature=0))[0].outputs[0]
     finally:
         llm.close()
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class Server:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -22,6 +21,7 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
+from free_ports import free_port
 
 from target_service.deploy import replica_bundle, replica_deployment
 from target_service.serve_args import ServeArgs
@@ -47,12 +47,6 @@ class Other:
 
 serve.run(Other.bind(), name="other", route_prefix="/other")
 """
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind((LOOPBACK, 0))
-        return sock.getsockname()[1]
 
 
 def driver_env(ray_address: str | None = None) -> dict[str, str]:
