@@ -290,11 +290,11 @@ class LLMEngine:
     def _draft_width(self) -> int:
         return self.step_buffers.layout.max_num_draft if self.step_buffers is not None else 0
 
-    def _forward(self, batch: ForwardBatch, plan: SchedulerOutput, num_drafts: list[int]):
+    def _forward(self, batch: ForwardBatch, plan: SchedulerOutput, proposed: list[int]):
         """The target's forward, replayed from a CUDA graph when the step is uniform: decodes only,
         every sequence verifying the same number of rows. Anything else runs eagerly."""
         if self.graphs is not None and plan.decodes and not plan.prefills:
-            q_lens = {1 + count for count in num_drafts}
+            q_lens = {1 + count for count in proposed}
             if len(q_lens) == 1:
                 output = self.graphs.run(batch, GraphKey(q_lens.pop(), taps=self.drafter is not None))
                 if output is not None:
@@ -307,14 +307,14 @@ class LLMEngine:
         taps = self.drafter is not None
         chunks, rows, index, logit_row, tap_row, input_row, source_row = [], {}, DraftIndex(), 0, 0, 0, 0
         width = self._draft_width()
-        for work, num_draft, counted in zip(plan.decodes, proposed, num_drafts):
+        for work, verified, counted in zip(plan.decodes, proposed, num_drafts):
             seq = work.seq
-            num_rows = 1 + num_draft
-            chunks.append(SeqChunk([seq.bonus_token] + [0] * num_draft, seq.num_computed, seq.block_table,
+            num_rows = 1 + verified
+            chunks.append(SeqChunk([seq.bonus_token] + [0] * verified, seq.num_computed, seq.block_table,
                                    num_rows, num_rows * taps))
-            index.add_decode(num_draft, source_row=source_row, width=width, input_row=input_row,
+            index.add_decode(verified, source_row=source_row, width=width, input_row=input_row,
                              logit_row=logit_row, max_accepted=counted)
-            source_row += num_draft > 0
+            source_row += verified > 0  # the drafter's rows: the decodes that draft, in order
             logit_row, input_row = logit_row + num_rows, input_row + num_rows
         for chunk in plan.prefills:
             seq = chunk.seq
