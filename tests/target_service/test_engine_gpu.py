@@ -70,7 +70,9 @@ def test_async_scheduling_with_graphs_equals_the_engine_without_it(tmp_path, sto
     prompts = random_prompts(6, 160, low=5, high=90)
     settings = dict(device="cuda", dtype="float32", max_num_seqs=8, kv_cache_memory="64MiB",
                     tokens_per_block=16, max_model_len=256, context_storage=storage, num_speculative_tokens=7)
-    free = [out.outputs[0].token_ids for out in LLM(target, drafter, **settings).generate(prompts, GREEDY)]
+    first = LLM(target, drafter, **settings)
+    free = [out.outputs[0].token_ids for out in first.generate(prompts, GREEDY)]
+    first.close()
     params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True, stop_token_ids=[free[0][12]])
     results = {}
     for async_scheduling in (False, True):
