@@ -8,12 +8,14 @@ step's tokens, checks stops and commits while the GPU runs the next one. What th
 yet it bounds: pages are reserved for the longest outcome (every draft accepted), and a sequence
 that finishes in the current step runs one step too many, whose results are dropped.
 
-The step ahead is taken only when it is exactly the step the scheduler would plan after the current
-one: same sequences, each verifying K drafts whatever the current step accepts (max_model_len far
-enough away), within the token budget, without preempting; and only for greedy requests or those
-with their own generator, so the engine's shared generator is never drawn for a step that is
-dropped. How many of its drafts may count (fewer near max_tokens) the device decides with the
-scheduler's rule. Anything else waits for the current step and is scheduled as usual.
+The step ahead is taken only when it is the step the scheduler would plan after the current one:
+same sequences, each verifying K drafts whatever the current step accepts (max_model_len far enough
+away), within the token budget, without preempting, nobody to admit (none waiting, or every slot
+taken: a request waiting for a slot that the current step frees is admitted one step later); and only
+for greedy requests or those with their own generator, so the engine's shared generator is never
+drawn for a step that is dropped. How many of its drafts may count (fewer near max_tokens) the
+device decides with the scheduler's rule. Anything else waits for the current step and is scheduled
+as usual.
 """
 
 from __future__ import annotations
@@ -32,8 +34,10 @@ def plan_ahead(scheduler: Scheduler, current: SchedulerOutput, num_drafts: list[
     `num_draft`, when it can be planned now, reserving its pages for the longest outcome of
     `current`; None when it cannot."""
     seqs = [work.seq for work in current.decodes]
-    if current.prefills or current.preempted or scheduler.waiting or not seqs:
+    if current.prefills or current.preempted or not seqs:
         return None
+    if scheduler.waiting and len(scheduler.running) < scheduler.max_num_seqs:
+        return None  # a waiting request would be admitted (with every slot taken, it waits a step later)
     if len(seqs) != len(scheduler.running) or set(map(id, seqs)) != set(map(id, scheduler.running)):
         return None
     if len(seqs) * (num_draft + 1) > scheduler.max_num_batched_tokens:

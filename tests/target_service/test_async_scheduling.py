@@ -53,6 +53,30 @@ def test_greedy_outputs_equal_with_and_without_async_scheduling(tmp_path, storag
     assert_same(sync, run(target, drafter, prompts, params, async_scheduling=True, **settings))
 
 
+def test_a_full_batch_with_requests_waiting_still_runs_ahead(tmp_path, monkeypatch):
+    """Six requests, two slots: while both slots are taken the waiting ones cannot be admitted, so
+    steps go ahead; a request waiting for a slot freed by the current step starts a step later.
+    Every request's tokens and acceptance equal the engine's without async scheduling."""
+    import target_service.engine as engine_module
+
+    target, drafter = make_pair(tmp_path)
+    prompts = random_prompts(6, 160, low=3, high=40)
+    params = [SamplingParams(max_tokens=int(n), temperature=0, ignore_eos=True)
+              for n in torch.randint(10, 40, (len(prompts),))]
+    sync = run(target, drafter, prompts, params, async_scheduling=False, max_num_seqs=2)
+    ahead_while_waiting = []
+
+    def recording_plan_ahead(scheduler, *args):
+        planned = plan_ahead(scheduler, *args)
+        if planned is not None and scheduler.waiting:
+            ahead_while_waiting.append(len(scheduler.waiting))
+        return planned
+
+    monkeypatch.setattr(engine_module, "plan_ahead", recording_plan_ahead)
+    assert_same(sync, run(target, drafter, prompts, params, async_scheduling=True, max_num_seqs=2))
+    assert ahead_while_waiting
+
+
 def test_a_request_stopping_mid_run_drops_its_step_ahead(tmp_path):
     """Stop tokens taken from the outputs themselves end requests mid-run, at different steps."""
     target, drafter = make_pair(tmp_path)
@@ -148,6 +172,9 @@ def test_plan_ahead_refuses_what_the_scheduler_might_plan_otherwise(tmp_path):
     seq.params = greedy
     waiting = engine.add_request("b", [9, 9], greedy)
     assert plan_ahead(scheduler, current, [3], 3) is None  # an admission would change the plan
+    scheduler.max_num_seqs = 1  # ... unless every slot is taken
+    assert plan_ahead(scheduler, current, [3], 3) is not None
+    scheduler.max_num_seqs = SETTINGS["max_num_seqs"]
     engine.abort("b")
     assert waiting.finish_reason == "abort"
     tables_before = list(seq.block_table)
