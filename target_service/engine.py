@@ -24,25 +24,18 @@ from foundation.host_transfer import HostReadback, to_device
 from kvpool_service.control import PoolLimits
 from target_service.context_rows import SeqTaps, select_context_rows
 from target_service.cuda_graphs import GraphKey, TargetGraphs
-from target_service.forward_batch import ForwardBatch, SeqChunk, pack
+from target_service.forward_batch import ForwardBatch, pack
 from target_service.outputs import SpecDecodeStats
 from target_service.sampling import choose_tokens
 from target_service.sampling_params import SamplingParams
 from target_service.scheduler import DecodeWork, PrefillChunk, Scheduler, SchedulerOutput
 from target_service.sequence import Sequence
 from target_service.step_ahead import next_inputs, plan_ahead, uniform_decode_batch
+from target_service.step_layout import Rows, scheduled_layout, scheduled_seqs, uniform_layout
 from target_service.stop_checker import StopChecker
-from target_service.verify import DeviceDraftIndex, DraftIndex
+from target_service.verify import DeviceDraftIndex
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class _Rows:
-    """Where one sequence's rows landed in the packed forward."""
-
-    logits: slice
-    taps: slice
 
 
 @dataclass
@@ -52,7 +45,7 @@ class _Launched:
     plan: SchedulerOutput
     proposed: list[int]  # drafts verified per decode, in plan order
     num_drafts: list[int] | None  # ... of which may count; None: decided on the device (a step ahead)
-    rows: dict[int, _Rows]  # seq_id -> its rows in the packed forward
+    rows: dict[int, Rows]  # seq_id -> its rows in the packed forward
     targets: torch.Tensor  # the target's token at every logits row [R]
     accepted: torch.Tensor | None  # accepted drafts per decode; None: no drafts in the step
     readback: HostReadback  # targets then accepted, on their way to the host
@@ -178,10 +171,11 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         if plan.is_empty:
             raise RuntimeError("the scheduler found no work although requests are waiting")
-        scheduled = _scheduled(plan)
+        scheduled = scheduled_seqs(plan)
         proposed = self._propose(plan.decodes, scheduled)
         num_drafts = [min(work.num_draft, count) for work, count in zip(plan.decodes, proposed)]
-        chunks, rows, index = self._chunks(plan, proposed, num_drafts)
+        chunks, rows, index = scheduled_layout(plan, proposed, num_drafts, taps=self.drafter is not None,
+                                               width=self._draft_width())
         batch = pack(chunks, self.tokens_per_block, self.device)
         verify = index.to_device(self.device) if index.num_draft_tokens else None
         return self._launch(plan, proposed, num_drafts, rows, batch, verify)
@@ -211,21 +205,17 @@ class LLMEngine:
         self.steps_ahead += 1
         taps = self.drafter is not None
         batch = uniform_decode_batch(bonus, starts, table, num_draft, self.tokens_per_block, taps)
-        rows, index, q_len, width = {}, DraftIndex(), num_draft + 1, self._draft_width()
-        for i, seq in enumerate(seqs):
-            tap_rows = slice(i * q_len * taps, (i + 1) * q_len * taps)
-            rows[seq.seq_id] = _Rows(slice(i * q_len, (i + 1) * q_len), tap_rows)
-            index.add_decode(num_draft, source_row=i, width=width, input_row=i * q_len, logit_row=i * q_len)
+        rows, index = uniform_layout(seqs, num_draft, taps=taps, width=self._draft_width())
         verify = replace(index.to_device(self.device), max_accepted=max_accepted) if num_draft else None
         return self._launch(plan, [num_draft] * len(seqs), None, rows, batch, verify)
 
     def _launch(self, plan: SchedulerOutput, proposed: list[int], num_drafts: list[int] | None,
-                rows: dict[int, _Rows], batch: ForwardBatch, verify: DeviceDraftIndex | None) -> _Launched:
+                rows: dict[int, Rows], batch: ForwardBatch, verify: DeviceDraftIndex | None) -> _Launched:
         """Queue a planned step's forward, its verification (None: no drafts) and its context store;
         start the read."""
         drafts = verify.place_drafts(self.step_buffers.draft_tokens, batch.input_ids) if verify else None
         output = self._forward(batch, plan, proposed)
-        targets = self._target_tokens(output.logits, _scheduled(plan), rows)
+        targets = self._target_tokens(output.logits, scheduled_seqs(plan), rows)
         accepted = verify.accepted_lengths(drafts, targets) if verify else None
         readback = HostReadback(targets if accepted is None else torch.cat([targets, accepted]))
         self._store_context(batch, output.taps, plan, rows, accepted)
@@ -239,7 +229,7 @@ class LLMEngine:
         self.num_steps += 1
         num_targets, plan = launched.targets.shape[0], launched.plan
         targets, accepted = values[:num_targets], values[num_targets:]
-        live = [seq for seq in _scheduled(plan) if not seq.finish_reason]
+        live = [seq for seq in scheduled_seqs(plan) if not seq.finish_reason]
         self.dropped_ahead += len(plan.decodes) + len(plan.prefills) - len(live)
         num_drafts = launched.num_drafts  # a step ahead: what the device decided, from the same rule
         if num_drafts is None:
@@ -258,7 +248,7 @@ class LLMEngine:
 
     def _drop_stale_ahead(self) -> None:
         """A step launched ahead whose every sequence has finished has nothing left to read."""
-        if self._ahead is not None and all(seq.finish_reason for seq in _scheduled(self._ahead.plan)):
+        if self._ahead is not None and all(seq.finish_reason for seq in scheduled_seqs(self._ahead.plan)):
             self._ahead = None
 
     def _propose(self, decodes: list[DecodeWork], scheduled: list[Sequence]) -> list[int]:
@@ -301,35 +291,7 @@ class LLMEngine:
                     return output
         return self.target(batch, self.target_caches)
 
-    def _chunks(self, plan: SchedulerOutput, proposed: list[int], num_drafts: list[int]):
-        """The packed forward's chunks (a decode's draft rows hold 0 until `place_drafts` fills them
-        on the device), where each sequence's logits and tap rows land, and the drafts' `DraftIndex`."""
-        taps = self.drafter is not None
-        chunks, rows, index, logit_row, tap_row, input_row, source_row = [], {}, DraftIndex(), 0, 0, 0, 0
-        width = self._draft_width()
-        for work, verified, counted in zip(plan.decodes, proposed, num_drafts):
-            seq = work.seq
-            num_rows = 1 + verified
-            chunks.append(SeqChunk([seq.bonus_token] + [0] * verified, seq.num_computed, seq.block_table,
-                                   num_rows, num_rows * taps))
-            index.add_decode(verified, source_row=source_row, width=width, input_row=input_row,
-                             logit_row=logit_row, max_accepted=counted)
-            source_row += verified > 0  # the drafter's rows: the decodes that draft, in order
-            logit_row, input_row = logit_row + num_rows, input_row + num_rows
-        for chunk in plan.prefills:
-            seq = chunk.seq
-            tokens = seq.token_ids[chunk.start: chunk.start + chunk.num_tokens]
-            wants_logits = int(chunk.is_last and not seq.output_token_ids)
-            chunks.append(SeqChunk(tokens, chunk.start, seq.block_table, wants_logits, len(tokens) * taps))
-        logit_row = 0
-        for chunk, seq in zip(chunks, _scheduled(plan)):
-            rows[seq.seq_id] = _Rows(slice(logit_row, logit_row + chunk.num_logits),
-                                     slice(tap_row, tap_row + chunk.num_taps))
-            logit_row += chunk.num_logits
-            tap_row += chunk.num_taps
-        return chunks, rows, index
-
-    def _target_tokens(self, logits: torch.Tensor, scheduled: list[Sequence], rows: dict[int, _Rows]):
+    def _target_tokens(self, logits: torch.Tensor, scheduled: list[Sequence], rows: dict[int, Rows]):
         """The target's token at every logits row [R], on the device: argmax, and a sample in the
         rows of each sampling request (its own generator, in the step's order)."""
         tokens = logits.argmax(dim=-1)
@@ -355,13 +317,13 @@ class LLMEngine:
             self._emit(seq, target_tokens)
 
     def _store_context(self, batch: ForwardBatch, taps: torch.Tensor, plan: SchedulerOutput,
-                       rows: dict[int, _Rows], accepted: torch.Tensor | None) -> None:
+                       rows: dict[int, Rows], accepted: torch.Tensor | None) -> None:
         """One drafter call: every tap row of the step, rows past a decode's accepted prefix (and
         rows of sequences whose context has a gap) skipped.
 
         The rows are selected on the device (`target_service.context_rows`): nothing waits for the GPU.
         """
-        scheduled = _scheduled(plan)
+        scheduled = scheduled_seqs(plan)
         if self.drafter is None or taps.shape[0] == 0 or not any(seq.has_context for seq in scheduled):
             return
         num_decodes = len(plan.decodes)
@@ -395,8 +357,3 @@ class LLMEngine:
 
     def _generator(self, seq: Sequence) -> torch.Generator:
         return seq.generator if seq.generator is not None else self.generator
-
-
-def _scheduled(plan: SchedulerOutput) -> list[Sequence]:
-    """Sequences in the packed order: verify blocks first, then prefill chunks."""
-    return [work.seq for work in plan.decodes] + [chunk.seq for chunk in plan.prefills]

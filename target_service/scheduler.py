@@ -45,11 +45,7 @@ class DecodeWork:
 
     seq: Sequence
     num_draft: int
-    num_proposed: int | None = None  # None: num_draft
-
-    def __post_init__(self):
-        if self.num_proposed is None:
-            object.__setattr__(self, "num_proposed", self.num_draft)
+    num_proposed: int
 
 
 @dataclass

@@ -160,7 +160,7 @@ def test_plan_ahead_refuses_what_the_scheduler_might_plan_otherwise(tmp_path):
     greedy = SamplingParams(max_tokens=100, temperature=0, ignore_eos=True)
     seq = engine.add_request("a", [5, 6, 7, 8], greedy)
     engine.step()  # prefill: now decoding
-    current = SchedulerOutput(decodes=[DecodeWork(seq, 3)])
+    current = SchedulerOutput(decodes=[DecodeWork(seq, 3, 3)])
     with_prefill = SchedulerOutput(decodes=current.decodes, prefills=[object()])
     assert plan_ahead(scheduler, with_prefill, [3], 3) is None
     seq.params = SamplingParams(max_tokens=100, temperature=0.8)  # unseeded sampling

@@ -1,0 +1,73 @@
+"""Where each sequence's rows land in a step's packed forward, planned on the host from ints.
+
+A step packs verify blocks (decodes first) and prefill chunks into one forward. The engine needs,
+per sequence, the slice of logits rows and of tap rows it owns, and for the drafts a `DraftIndex`
+(which input row each draft fills, which logits row it is checked against). Two layouts: the one a
+scheduled step packs (`scheduled_layout`, any mix, with its `SeqChunk`s for `pack`) and the one a
+step launched ahead builds on the device (`uniform_layout`: B decodes of the same row count).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from target_service.forward_batch import SeqChunk
+from target_service.scheduler import SchedulerOutput
+from target_service.sequence import Sequence
+from target_service.verify import DraftIndex
+
+
+@dataclass(frozen=True)
+class Rows:
+    """Where one sequence's rows landed in the packed forward."""
+
+    logits: slice
+    taps: slice
+
+
+def scheduled_seqs(plan: SchedulerOutput) -> list[Sequence]:
+    """Sequences in the packed order: verify blocks first, then prefill chunks."""
+    return [work.seq for work in plan.decodes] + [chunk.seq for chunk in plan.prefills]
+
+
+def scheduled_layout(plan: SchedulerOutput, proposed: list[int], num_drafts: list[int], *, taps: bool,
+                     width: int) -> tuple[list[SeqChunk], dict[int, Rows], DraftIndex]:
+    """The packed forward's chunks (a decode's draft rows hold 0 until `place_drafts` fills them on
+    the device), each sequence's rows, and the drafts' `DraftIndex`.
+
+    proposed: drafts each decode verifies; num_drafts: how many of them may count; taps: whether
+    every row's taps are returned; width: the step buffers' draft_tokens columns.
+    """
+    chunks, index, input_row, logit_row, source_row = [], DraftIndex(), 0, 0, 0
+    for work, verified, counted in zip(plan.decodes, proposed, num_drafts):
+        seq, num_rows = work.seq, 1 + verified
+        chunks.append(SeqChunk([seq.bonus_token] + [0] * verified, seq.num_computed, seq.block_table,
+                               num_rows, num_rows * taps))
+        index.add_decode(verified, source_row=source_row, width=width, input_row=input_row,
+                         logit_row=logit_row, max_accepted=counted)
+        source_row += verified > 0  # the drafter's rows: the decodes that draft, in order
+        logit_row, input_row = logit_row + num_rows, input_row + num_rows
+    for chunk in plan.prefills:
+        seq = chunk.seq
+        tokens = seq.token_ids[chunk.start: chunk.start + chunk.num_tokens]
+        wants_logits = int(chunk.is_last and not seq.output_token_ids)
+        chunks.append(SeqChunk(tokens, chunk.start, seq.block_table, wants_logits, len(tokens) * taps))
+    rows, logit_row, tap_row = {}, 0, 0
+    for chunk, seq in zip(chunks, scheduled_seqs(plan)):
+        rows[seq.seq_id] = Rows(slice(logit_row, logit_row + chunk.num_logits),
+                                slice(tap_row, tap_row + chunk.num_taps))
+        logit_row += chunk.num_logits
+        tap_row += chunk.num_taps
+    return chunks, rows, index
+
+
+def uniform_layout(seqs: list[Sequence], num_draft: int, *, taps: bool,
+                   width: int) -> tuple[dict[int, Rows], DraftIndex]:
+    """Each of B decodes verifying `num_draft` drafts from draft_tokens row i: its rows and the
+    `DraftIndex` (how many may count is decided on the device, so that is left to the caller)."""
+    rows, index, q_len = {}, DraftIndex(), num_draft + 1
+    for i, seq in enumerate(seqs):
+        tap_rows = slice(i * q_len * taps, (i + 1) * q_len * taps)
+        rows[seq.seq_id] = Rows(slice(i * q_len, (i + 1) * q_len), tap_rows)
+        index.add_decode(num_draft, source_row=i, width=width, input_row=i * q_len, logit_row=i * q_len)
+    return rows, index
