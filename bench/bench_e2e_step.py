@@ -216,6 +216,17 @@ def hf_case(model, batch: int, context: int, k: int, vocab: int, steps: int, see
     return {"decode": _spread(decode[1:]), "verify": _spread(verify[1:])}
 
 
+def add_pair_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags `random_pair_for` reads: --geometry, --checkpoints, --dtype, --device, --seed."""
+    parser.add_argument("--geometry", default="qwen3-8b", choices=["qwen3-8b", "tiny"])
+    parser.add_argument(
+        "--checkpoints", default="/tmp/dflash-e2e-pair", help="where the random pair is written"
+    )
+    parser.add_argument("--dtype", default=None, help="compute dtype (default: bfloat16 on a GPU)")
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--seed", type=int, default=0)
+
+
 def random_pair_for(args) -> tuple[torch.device, str, Path, Path]:
     """The device (--device, else cuda when there is one), the dtype (--dtype, else bf16 on a GPU
     and fp32 on CPU) and the random pair of --geometry written (once) under --checkpoints."""
@@ -238,20 +249,14 @@ def _fits(batch: int, context: int, steps: int, k: int, limits) -> bool:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--geometry", default="qwen3-8b", choices=["qwen3-8b", "tiny"])
-    parser.add_argument(
-        "--checkpoints", default="/tmp/dflash-e2e-pair", help="where the random pair is written"
-    )
+    add_pair_arguments(parser)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 64])
     parser.add_argument("--contexts", type=int, nargs="+", default=[2048, 8192, 32768])
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--simulate-acceptance", type=float, default=6.5)
     parser.add_argument("--kv-cache-memory", default=None, help="pool budget (default: the engine's)")
-    parser.add_argument("--dtype", default=None, help="compute dtype (default: bfloat16 on a GPU)")
-    parser.add_argument("--device", default=None)
     parser.add_argument("--hf", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--hf-max-tokens", type=int, default=2**18, help="largest B x C HF is run at")
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--name", default="e2e_step")
     parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args(argv)

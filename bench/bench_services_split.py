@@ -33,7 +33,13 @@ from pathlib import Path
 
 import torch
 
-from bench.bench_e2e_step import SimulatedAcceptance, _device_name, _timed_steps, random_pair_for
+from bench.bench_e2e_step import (
+    SimulatedAcceptance,
+    _device_name,
+    _timed_steps,
+    add_pair_arguments,
+    random_pair_for,
+)
 from target_service.service import TargetService
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -110,17 +116,13 @@ def proto_bytes_fields() -> list[str]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--geometry", default="qwen3-8b", choices=["qwen3-8b", "tiny"])
-    parser.add_argument("--checkpoints", default="/tmp/dflash-e2e-pair")
+    add_pair_arguments(parser)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--context", type=int, default=2048)
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--simulate-acceptance", type=float, default=6.5)
     parser.add_argument("--kv-cache-memory", default="16GiB")
-    parser.add_argument("--dtype", default=None)
-    parser.add_argument("--device", default=None)
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--name", default="services_split")
     parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args(argv)

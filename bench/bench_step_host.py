@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from bench.bench_e2e_step import SimulatedAcceptance, _device_name, _sync, random_pair_for
+from bench.bench_e2e_step import SimulatedAcceptance, _device_name, _sync, add_pair_arguments, random_pair_for
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PROJECT_DIRS = ("target_service", "drafter_service", "kvpool_service", "kernels", "foundation")
@@ -47,15 +47,11 @@ def _stats_table(profile: cProfile.Profile, steps: int, sort: str, limit: int) -
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--geometry", default="qwen3-8b", choices=["qwen3-8b", "tiny"])
-    parser.add_argument("--checkpoints", default="/tmp/dflash-e2e-pair")
+    add_pair_arguments(parser)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--context", type=int, default=2048)
     parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--dtype", default=None)
-    parser.add_argument("--device", default=None)
     parser.add_argument("--kv-cache-memory", default=None)
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--name", default="step_host")
     parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args(argv)
