@@ -30,6 +30,16 @@ def offline_completion(max_tokens: int = 32):
         llm.close()
 
 
+def assert_completion_and_stream_equal(api: openai.OpenAI, expected) -> None:
+    """A whole completion of PROMPT and a streamed one both give the offline reference's text."""
+    whole = api.completions.create(model="dflash-demo", prompt=PROMPT, max_tokens=32, temperature=0)
+    assert whole.choices[0].text == expected.text
+    assert whole.usage.completion_tokens == len(expected.token_ids)
+    stream = api.completions.create(model="dflash-demo", prompt=PROMPT, max_tokens=32, temperature=0,
+                                    stream=True)
+    assert "".join(chunk.choices[0].text for chunk in stream if chunk.choices) == expected.text
+
+
 class Server:
     """`dflash serve` with the demo pair (MODEL's settings) plus `extra` flags; ready once it prints
     its ready line."""

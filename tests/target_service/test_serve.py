@@ -10,7 +10,7 @@ import time
 
 import httpx
 import pytest
-from serve_process import PROMPT, Server, offline_completion
+from serve_process import PROMPT, Server, assert_completion_and_stream_equal, offline_completion
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray")]
 
@@ -34,12 +34,7 @@ def test_ready_line_names_the_url_and_a_curl_example(server):
 
 def test_completions_and_streams_equal_the_offline_llm(server, expected):
     api = server.client()
-    whole = api.completions.create(model="dflash-demo", prompt=PROMPT, max_tokens=32, temperature=0)
-    assert whole.choices[0].text == expected.text
-    assert whole.usage.completion_tokens == len(expected.token_ids)
-    stream = api.completions.create(model="dflash-demo", prompt=PROMPT, max_tokens=32, temperature=0,
-                                    stream=True)
-    assert "".join(chunk.choices[0].text for chunk in stream if chunk.choices) == expected.text
+    assert_completion_and_stream_equal(api, expected)
 
 
 def test_requests_spread_over_both_replicas(server):

@@ -12,7 +12,7 @@ import time
 
 import httpx
 import pytest
-from serve_process import PROMPT, Server, offline_completion
+from serve_process import PROMPT, Server, assert_completion_and_stream_equal, offline_completion
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray")]
 
@@ -39,12 +39,7 @@ def test_completions_and_streams_through_the_actors_equal_the_offline_llm(server
     api = server.client()
     with httpx.Client(base_url=server.url, timeout=60) as http:
         before = drafts_so_far(http)
-        whole = api.completions.create(model="dflash-demo", prompt=PROMPT, max_tokens=32, temperature=0)
-        assert whole.choices[0].text == expected.text
-        assert whole.usage.completion_tokens == len(expected.token_ids)
-        stream = api.completions.create(model="dflash-demo", prompt=PROMPT, max_tokens=32, temperature=0,
-                                        stream=True)
-        assert "".join(chunk.choices[0].text for chunk in stream if chunk.choices) == expected.text
+        assert_completion_and_stream_equal(api, expected)
         assert drafts_so_far(http) > before  # the target actor's counters reach /metrics
 
 
