@@ -190,7 +190,7 @@ class LLMEngine:
         seqs = [work.seq for work in plan.decodes]
         logit_starts = [current.rows[seq.seq_id].logits.start for seq in seqs]
         computed = [seq.num_computed for seq in seqs]  # where `current` started: it is not read yet
-        remaining = [seq.params.max_tokens - len(seq.output_token_ids) for seq in seqs]  # ... and ended
+        remaining = [seq.params.max_tokens - len(seq.output_token_ids) for seq in seqs]  # before `current`
         logit_starts_d, starts_d, remaining_d, seq_slots_d = to_device(
             [logit_starts, computed, remaining, [seq.slot for seq in seqs]], torch.int64, self.device)
         columns = max(len(seq.block_table) for seq in seqs)

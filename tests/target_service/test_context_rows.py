@@ -10,9 +10,12 @@ committed position is stored exactly once.
 from __future__ import annotations
 
 import pytest
+import torch
 from engine_helpers import make_pair, random_prompts
 
 from kernels import PAD_SLOT
+from target_service.context_rows import SeqTaps, select_context_rows
+from target_service.forward_batch import SeqChunk, pack
 from target_service.llm import LLM
 from target_service.sampling_params import SamplingParams
 
@@ -88,11 +91,6 @@ def test_staged_context_rows_are_the_committed_positions_in_their_own_slots(tmp_
 def test_select_context_rows_by_hand():
     """Two decodes of 3 rows (accepted 1 and 2; the second's context has a gap) and a prefill chunk
     of 2 rows: kept are the first decode's bonus + 1 draft and the prefill's rows."""
-    import torch
-
-    from target_service.context_rows import SeqTaps, select_context_rows
-    from target_service.forward_batch import SeqChunk, pack
-
     chunks = [SeqChunk([1, 2, 3], 10, [4], 3, 3), SeqChunk([5, 6, 7], 20, [5, 6], 3, 3),
               SeqChunk([8, 9], 0, [7], 0, 2)]
     batch = pack(chunks, 16)
