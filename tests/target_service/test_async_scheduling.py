@@ -83,12 +83,24 @@ def test_a_request_stopping_mid_run_drops_its_step_ahead(tmp_path):
     prompts = random_prompts(4, 160, low=3, high=40)
     free = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
     tokens = run(target, drafter, prompts, free, async_scheduling=False)["tokens"]
-    stops = sorted({tokens[0][20], tokens[2][35]})
+    stops = late_stop_tokens(tokens, earliest=8)
     params = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True, stop_token_ids=stops)
     sync = run(target, drafter, prompts, params, async_scheduling=False)
     overlapped = run(target, drafter, prompts, params, async_scheduling=True)
     assert_same(sync, overlapped)
     assert "stop" in sync["finish"] and overlapped["dropped"] > 0
+
+
+def late_stop_tokens(tokens: list[list[int]], *, earliest: int, count: int = 2) -> list[int]:
+    """Tokens whose first appearance in every output is at `earliest` or later (or never), the soonest
+    first: each ends a request in the steady state, where a step is already ahead, never at prefill."""
+    first = {}
+    for output in tokens:
+        for position, token in enumerate(output):
+            first[token] = min(first.get(token, position), position)
+    late = sorted((position, token) for token, position in first.items() if position >= earliest)
+    assert late, f"every output token appears before position {earliest}"
+    return sorted(token for _, token in late[:count])
 
 
 def test_high_acceptance_and_seeded_sampling_equal_without_async_scheduling(tmp_path):
