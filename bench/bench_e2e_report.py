@@ -30,7 +30,8 @@ def markdown(result: dict) -> str:
         f"- command: `{result['command']}`",
         f"- geometry {result['geometry']} (random weights), {result['dtype']}, "
         f"K {result.get('num_speculative_tokens', '-')}, acceptance simulated around "
-        f"{result['simulate_acceptance']} (bench only), {result['steps']} timed steps per case and mode",
+        f"{result['simulate_acceptance']} (bench only), {result['steps']} timed steps per case, mode and "
+        f"round; {result.get('rounds', 1)} rounds alternating graphs and graphs sync, eager once",
         "- plain: an engine without a drafter; DFlash: the engine with the drafter. Each case is timed "
         "from CUDA graphs and eagerly, side by side on the same engine and sequences; with async "
         "scheduling (the next step queued before this one is read) unless marked 'sync'.",
@@ -61,6 +62,10 @@ def markdown(result: dict) -> str:
         for c in result["dflash"]
     ]
     lines += ["", "GPU busy time of one DFlash step from graphs: " + "; ".join(busy) + "."]
+    lines += ["", "Each round's median, ms, graphs | graphs sync (async scheduling on | off):", ""]
+    lines += [_rounds_line(mode, case) for mode in ("plain", "dflash") for case in result[mode]
+              if "round_medians" in case.get("graphs", {})]
+    lines += _limits_lines(result.get("limits", []))
     if result["skipped"]:
         lines += [
             "",
@@ -76,6 +81,33 @@ def markdown(result: dict) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def _limits_lines(rows: list[dict]) -> list[str]:
+    """The limits sweep's table (bench.step_limits): one DFlash step per engine config and batch."""
+    if not rows:
+        return []
+    lines = ["", "Step time against the engine's limits (DFlash; ms per step, median (p10-p90); startup: "
+             "weights, pool and graph capture):", "",
+             "| max_num_seqs | kv_cache_memory | pool blocks | startup s | B | context | graphs ms "
+             "| graphs sync ms | eager ms | GPU busy ms, graphs |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for row in rows:
+        if "error" in row:
+            lines.append(f"| {row['max_num_seqs']} | {row['kv_cache_memory']} | - | - | - | - | "
+                         f"not started: {row['error']} | - | - | - |")
+            continue
+        lines.append(f"| {row['max_num_seqs']} | {row['kv_cache_memory']} | {row['pool_blocks']} | "
+                     f"{row['startup_s']} | {row['batch']} | {row['context']} | {_ms(row.get('graphs'))} | "
+                     f"{_ms(row.get('graphs_sync'))} | {_ms(row.get('eager'))} | "
+                     f"{_cell(row, 'graphs', 'gpu_busy_ms', '{:.1f}')} |")
+    return lines
+
+
+def _rounds_line(mode: str, case: dict) -> str:
+    rounds = [" ".join(f"{t * 1e3:.2f}" for t in case.get(label, {}).get("round_medians", []))
+              for label in ("graphs", "graphs_sync")]
+    return f"- {mode} B {case['batch']} ctx {case['context']}: {rounds[0]} | {rounds[1]}"
 
 
 def plot(result: dict, path: Path) -> None:

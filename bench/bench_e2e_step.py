@@ -1,24 +1,29 @@
 """The speculative step end to end, as a user feels it: ms per step and tokens/s through the engine.
 
     python -m bench.bench_e2e_step [--geometry qwen3-8b|tiny] [--batch-sizes 1 8 32 64]
-        [--contexts 2048 8192 32768] [--steps 16] [--simulate-acceptance 6.5] [--no-hf]
-        [--kv-cache-memory 60GiB] [--name e2e_step_h200]
+        [--contexts 2048 8192 32768] [--steps 16] [--rounds 3] [--simulate-acceptance 6.5] [--no-hf]
+        [--kv-cache-memory 60GiB] [--limits-max-num-seqs 32 64 256] [--limits-kv-cache-memory 16GiB]
+        [--name e2e_step_h200]
 
 Writes a random-weight checkpoint pair of the geometry (default Qwen3-8B and its 5-layer DFlash-b16
 drafter, `bench_e2e_checkpoints`), then for every batch size B and context C that fit the pool:
-B random prompts of C tokens are prefilled (timed), then `--steps` plain decode steps and `--steps`
-DFlash steps (K = block_size - 1) are timed one by one, each between two device synchronisations.
-Plain decode runs on the same engine with its drafter switched off, so both share one pool.
-HF transformers eager over the same checkpoint is timed in the same run (one decode step of B
-sequences after a C-token prefill, and a K+1-token verify), where its dense cache fits.
+B random prompts of C tokens are prefilled (timed), then `--steps` steps are timed one by one, with
+no synchronisation between them (what serving sees), on an engine without a drafter (plain decode)
+and on one with the drafter (the DFlash step, K = block_size - 1), one engine at a time. Each case
+is timed from CUDA graphs with async scheduling ("graphs") and without ("graphs_sync") over
+`--rounds` rounds that alternate the two (in turn first, so a drift of the device's clocks over the
+case falls on both), and eagerly once. HF transformers eager over the same checkpoint is timed in
+the same run (one decode step of B sequences after a C-token prefill, and a K+1-token verify),
+where its dense cache fits.
 
 A random drafter is almost never accepted, so `--simulate-acceptance MEAN` (this benchmark only:
 it replaces the engine's accepted-lengths function inside this process, and nothing in the package can turn
 it on) draws each step's accepted count from a Poisson around MEAN - 1, capped at K, so the step's
 variable-length paths run at a realistic acceptance and tokens/s is measured, not extrapolated.
 
-Also recorded: kernel launches and busy GPU time of one step (torch profiler). Results: JSON,
-markdown and a PNG (tokens/s vs batch: this engine, HF, the goal lines) in bench/results/.
+Also recorded: kernel launches and busy GPU time of one step (torch profiler), and with the
+`--limits-*` flags the DFlash step against max_num_seqs and the pool's size (`bench.step_limits`).
+Results: JSON, markdown and a PNG (tokens/s vs batch: this engine, HF, the goal lines) in bench/results/.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ import torch
 
 from bench.bench_e2e_checkpoints import write_random_pair
 from bench.bench_e2e_report import markdown, plot
+from bench.step_limits import limit_configs, limits_sweep
 from foundation.host_transfer import to_device
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -139,9 +145,23 @@ def _graphs_on(engine, on: bool, saved: tuple) -> None:
         engine.drafter.graphs = draft_graphs if on else None
 
 
-def engine_case(llm, batch: int, context: int, steps: int, k: int, vocab: int, seed: int) -> dict:
-    """Prefill B prompts of C tokens, then time `steps` steps from CUDA graphs and `steps` eager steps
-    side by side on the same engine and sequences."""
+# (label, CUDA graphs on, async scheduling on): the first two alternate over the rounds; eager runs once
+GRAPH_MODES = (("graphs", True, True), ("graphs_sync", True, False))
+EAGER_MODE = ("eager", False, True)
+
+
+def steps_per_case(steps: int, rounds: int) -> int:
+    """Engine steps one case runs after its prefill: each timing of `steps` (two graph modes per round,
+    eager once) adds a warm-up and an untimed step, and each mode one profiled step."""
+    timings = len(GRAPH_MODES) * rounds + 1
+    return timings * (steps + 2) + len(GRAPH_MODES) + 1
+
+
+def engine_case(llm, batch: int, context: int, steps: int, k: int, vocab: int, seed: int,
+                rounds: int = 1) -> dict:
+    """Prefill B prompts of C tokens, then time `steps` steps per mode and round side by side on the
+    same engine and sequences: from CUDA graphs with and without async scheduling, alternating over
+    `rounds`, then eagerly once. Each mode's spread pools its rounds; `round_medians` keeps each."""
     from target_service.sampling_params import SamplingParams
 
     engine, device = llm.engine, llm.engine.device
@@ -164,23 +184,35 @@ def engine_case(llm, batch: int, context: int, steps: int, k: int, vocab: int, s
             engine.step()
         _sync(device)
         result["prefill_s"] = round(time.perf_counter() - started, 4)
-        modes = (("graphs", True, True), ("graphs_sync", True, False), ("eager", False, True))
-        for label, on, overlapped in modes:
-            if on and saved[0] is None:
-                continue  # an engine without graphs (CPU, or enforce_eager)
+        graph_modes = GRAPH_MODES if saved[0] is not None else ()  # none on CPU, or with enforce_eager
+        schedule = [mode for r in range(rounds) for mode in (graph_modes[::-1] if r % 2 else graph_modes)]
+        timings: dict[str, dict] = {}
+        for label, on, overlapped in [*schedule, EAGER_MODE]:
             _graphs_on(engine, on, saved)
             engine.async_scheduling = overlapped
-            engine.step()  # warm-up of this shape
+            engine.step()  # warm-up of this mode
+            timing = timings.setdefault(label, {"times": [], "tokens": 0, "round_medians": [],
+                                                "running_at_start": None, "preemptions": 0})
             preemptions = engine.scheduler.num_preemptions
             running = sum(not seq.is_finished for seq in engine.sequences.values())
             times, tokens = _timed_steps(engine, device, steps)
+            timing["times"] += times
+            timing["tokens"] += tokens
+            timing["round_medians"].append(round(statistics.median(times), 6))
+            timing["preemptions"] += engine.scheduler.num_preemptions - preemptions
+            if timing["running_at_start"] is None:  # < batch: sequences finished before the timing
+                timing["running_at_start"] = running
+                timing["profile"] = _kernel_profile(engine, device)
+        for label, timing in timings.items():
+            times = timing["times"]
             result[label] = {
                 **_spread(times),
-                "tokens_per_s": tokens / sum(times),
-                "mean_acceptance_length": tokens / (batch * steps),
-                "running_at_start": running,  # < batch: sequences finished before the timing
-                "preemptions": engine.scheduler.num_preemptions - preemptions,
-                **_kernel_profile(engine, device),
+                "round_medians": timing["round_medians"],
+                "tokens_per_s": timing["tokens"] / sum(times),
+                "mean_acceptance_length": timing["tokens"] / (batch * len(times)),
+                "running_at_start": timing["running_at_start"],
+                "preemptions": timing["preemptions"],
+                **timing["profile"],
             }
     finally:
         _graphs_on(engine, True, saved)
@@ -238,11 +270,11 @@ def random_pair_for(args) -> tuple[torch.device, str, Path, Path]:
     return device, dtype, target, drafter
 
 
-def _fits(batch: int, context: int, steps: int, k: int, limits) -> bool:
+def _fits(batch: int, context: int, steps: int, rounds: int, k: int, limits) -> bool:
     """Whether B sequences of C tokens and the steps' new tokens fit the pool without preemption.
     The first prompts may decode while the last ones prefill (a token budget below B x C), so a
     sequence may reach max_model_len; that is what is counted."""
-    tokens_per_seq = max(context + 2 * (steps + 1) * (k + 1) + 2 * (k + 1) + 8, limits.max_model_len)
+    tokens_per_seq = max(context + steps_per_case(steps, rounds) * (k + 1) + 8, limits.max_model_len)
     need = batch * limits.blocks_for(tokens_per_seq)
     return batch <= limits.max_num_seqs and need <= limits.max_blocks_per_seq
 
@@ -253,8 +285,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 64])
     parser.add_argument("--contexts", type=int, nargs="+", default=[2048, 8192, 32768])
     parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--rounds", type=int, default=3, help="rounds alternating graphs and graphs_sync")
     parser.add_argument("--simulate-acceptance", type=float, default=6.5)
     parser.add_argument("--kv-cache-memory", default=None, help="pool budget (default: the engine's)")
+    parser.add_argument("--limits-max-num-seqs", type=int, nargs="*", default=[],
+                        help="also time the DFlash step on engines started with each of these max_num_seqs")
+    parser.add_argument("--limits-kv-cache-memory", nargs="*", default=[],
+                        help="... and with each of these pool sizes (e.g. 16GiB)")
+    parser.add_argument("--limits-batch-sizes", type=int, nargs="+", default=[1, 32])
+    parser.add_argument("--limits-context", type=int, default=2048)
     parser.add_argument("--hf", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--hf-max-tokens", type=int, default=2**18, help="largest B x C HF is run at")
     parser.add_argument("--name", default="e2e_step")
@@ -279,25 +318,30 @@ def main(argv: list[str] | None = None) -> None:
         "dtype": dtype,
         "simulate_acceptance": args.simulate_acceptance,
         "steps": args.steps,
+        "rounds": args.rounds,
         "plain": [],
         "dflash": [],
         "hf": [],
         "skipped": [],
     }
     out = Path(args.out)
-    for mode in ("plain", "dflash"):  # one engine at a time: each gets the whole device
-        llm = LLM(
+    def make_llm(mode: str, max_num_seqs: int, kv_cache_memory: str | None):
+        return LLM(
             str(target),
             str(drafter) if mode == "dflash" else "none",
             device=str(device),
             dtype=dtype,
             enable_prefix_caching=False,
-            max_num_seqs=max(args.batch_sizes),
-            max_model_len=max_context + 4 * (args.steps + 1) * 16 + 64,
-            kv_cache_memory=args.kv_cache_memory,
+            max_num_seqs=max_num_seqs,
+            max_model_len=max(max_context, args.limits_context)
+            + steps_per_case(args.steps, args.rounds) * 16 + 64,
+            kv_cache_memory=kv_cache_memory,
             max_num_batched_tokens=8192,
             seed=args.seed,
         )
+
+    for mode in ("plain", "dflash"):  # one engine at a time: each gets the whole device
+        llm = make_llm(mode, max(args.batch_sizes), args.kv_cache_memory)
         engine = llm.engine
         k, vocab = engine.scheduler.num_speculative_tokens, engine.target.config.vocab_size
         if mode == "dflash":
@@ -306,12 +350,13 @@ def main(argv: list[str] | None = None) -> None:
         with SimulatedAcceptance(args.simulate_acceptance, args.seed):
             for context in args.contexts:
                 for batch in args.batch_sizes:
-                    if not _fits(batch, context, args.steps, max(k, 15), engine.limits):
+                    if not _fits(batch, context, args.steps, args.rounds, max(k, 15), engine.limits):
                         result["skipped"].append(
                             {"mode": mode, "batch": batch, "context": context, "why": "pool too small"}
                         )
                         continue
-                    result[mode].append(engine_case(llm, batch, context, args.steps, k, vocab, args.seed))
+                    result[mode].append(engine_case(llm, batch, context, args.steps, k, vocab, args.seed,
+                                                    args.rounds))
                     logger.info("%s %s", mode, json.dumps(result[mode][-1]))
                     _save(result, out, plot_too=False)  # a run cut short keeps what it measured
         llm.close()
@@ -319,6 +364,18 @@ def main(argv: list[str] | None = None) -> None:
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
+    configs = limit_configs(args.limits_max_num_seqs, args.limits_kv_cache_memory,
+                            default_seqs=max(args.batch_sizes), default_memory=args.kv_cache_memory)
+    if configs:
+        def case(llm, batch, context):
+            engine = llm.engine
+            return engine_case(llm, batch, context, args.steps, engine.scheduler.num_speculative_tokens,
+                               engine.target.config.vocab_size, args.seed, args.rounds)
+
+        with SimulatedAcceptance(args.simulate_acceptance, args.seed):
+            result["limits"] = limits_sweep(lambda seqs, memory: make_llm("dflash", seqs, memory), case,
+                                            configs, args.limits_batch_sizes, args.limits_context)
+        _save(result, out, plot_too=False)
     if args.hf:
         from transformers import AutoModelForCausalLM
 
