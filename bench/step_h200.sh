@@ -6,7 +6,8 @@
 #
 # The bench saves after every case to $OUT (default bench/results), so a run stopped at LIMIT
 # seconds (default 420) keeps what it measured; the tests' and the bench's logs go there too. Then
-# bench.bench_step_host profiles a B 1 step's host time (HOST_LIMIT seconds, default 120).
+# bench.bench_step_host profiles a B 1 step's host time (HOST_LIMIT seconds, default 120; 0 skips it).
+# TESTS=0 skips the GPU tests.
 # BASELINE=<commit> also times that commit's engine (B 1 and 32, ctx 2048, no HF) from a worktree,
 # right after, on the same machine: a side-by-side reference for a change to the step.
 set -uo pipefail
@@ -15,18 +16,22 @@ mkdir -p /tmp/site "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 python3 -c 'import pydantic, grpc, torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
-python3 -m pytest -q -p no:cacheprovider tests/foundation/test_host_transfer.py tests/target_service/test_verify.py \
-    tests/target_service/test_engine_gpu.py tests/target_service/test_cuda_graph_padding.py \
-    tests/target_service/test_context_rows.py > "$OUT/gpu_tests_step.txt" 2>&1
-tail -n 3 "$OUT/gpu_tests_step.txt"
+if [ "${TESTS:-1}" != 0 ]; then
+    python3 -m pytest -q -p no:cacheprovider tests/foundation/test_host_transfer.py tests/target_service/test_verify.py \
+        tests/target_service/test_engine_gpu.py tests/target_service/test_cuda_graph_padding.py \
+        tests/target_service/test_context_rows.py > "$OUT/gpu_tests_step.txt" 2>&1
+    tail -n 3 "$OUT/gpu_tests_step.txt"
+fi
 timeout "${LIMIT:-420}" python3 -m bench.bench_e2e_step --steps 8 --batch-sizes 1 32 --contexts 2048 8192 \
     --out "$OUT" --name e2e_step_h200_device "$@" > "$OUT/e2e_step.log" 2>&1
 echo "bench exit $?"
 tail -n 30 "$OUT/e2e_step.log"
 # where a graphed B 1 step's host time goes (cProfile), on the pair the bench wrote
-timeout "${HOST_LIMIT:-120}" python3 -m bench.bench_step_host --batch 1 --context 2048 --steps 40 --out "$OUT" \
-    --name step_host_h200 > "$OUT/step_host.log" 2>&1
-echo "host profile exit $?"
+if [ "${HOST_LIMIT:-120}" != 0 ]; then
+    timeout "${HOST_LIMIT:-120}" python3 -m bench.bench_step_host --batch 1 --context 2048 --steps 40 --out "$OUT" \
+        --name step_host_h200 > "$OUT/step_host.log" 2>&1
+    echo "host profile exit $?"
+fi
 if [ -n "${BASELINE:-}" ]; then
     git worktree add -f /tmp/baseline "$BASELINE" > /dev/null 2>&1 || echo "no worktree of $BASELINE"
     (cd /tmp/baseline && PYTHONPATH=/tmp/site:/tmp/baseline timeout "${BASELINE_LIMIT:-150}" python3 -m bench.bench_e2e_step \
@@ -35,4 +40,4 @@ if [ -n "${BASELINE:-}" ]; then
     echo "baseline exit $?"
     tail -n 12 "$OUT/e2e_step_baseline.log"
 fi
-echo "GPU tests:"; tail -n 3 "$OUT/gpu_tests_step.txt"
+[ "${TESTS:-1}" = 0 ] || { echo "GPU tests:"; tail -n 3 "$OUT/gpu_tests_step.txt"; }
