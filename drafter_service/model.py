@@ -199,5 +199,5 @@ class DFlashDrafter(nn.Module):
         for index, layer in enumerate(self.layers):
             x = layer(x, kv_proj[index], k_norm[index], cos, sin, batch, caches[index])
         out = rms_norm(x[:, 1:], self.norm, config.rms_norm_eps)  # slot k predicts position start + k
-        logits = F.linear(out.to(lm_head.dtype), lm_head).float()  # [B, K, V]
-        return DraftOutput(logits.argmax(dim=-1), logits if return_logits else None)
+        logits = F.linear(out.to(lm_head.dtype), lm_head)  # [B, K, V]; the argmax needs no fp32 copy
+        return DraftOutput(logits.argmax(dim=-1), logits.float() if return_logits else None)

@@ -29,9 +29,9 @@ def test_rms_norm_after_the_residual_add_returns_both():
 
 
 @pytest.mark.parametrize("with_norm", [True, False])
-@pytest.mark.parametrize("head_dim", [16, 32, 64])
-def test_norm_rope_matches_norm_then_rope(with_norm, head_dim):
-    tokens, heads = 6, 3
+@pytest.mark.parametrize("head_dim,heads", [(16, 3), (32, 11), (64, 3), (16, 1)])  # 11: a partial head block
+def test_norm_rope_matches_norm_then_rope(with_norm, head_dim, heads):
+    tokens = 6
     qkv = torch.randn(tokens, (heads + 2) * head_dim, device=DEVICE)
     q = qkv[:, : heads * head_dim].reshape(tokens, heads, head_dim)  # strided, like the fused projection's
     weight = torch.randn(head_dim, device=DEVICE) if with_norm else None
