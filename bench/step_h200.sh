@@ -9,7 +9,9 @@
 # bench.bench_step_host profiles a B 1 step's host time (HOST_LIMIT seconds, default 120; 0 skips it).
 # TESTS=0 skips the GPU tests.
 # BASELINE=<commit> also times that commit's engine (B 1 and 32, ctx 2048, no HF) from a worktree,
-# right after, on the same machine: a side-by-side reference for a change to the step.
+# right after, on the same machine: a side-by-side reference for a change to the step. The device's
+# git may only know the session's first commit: BASELINE_PATCH=<file> (the diff from the baseline to
+# this tree, untracked) times this tree with that diff undone instead.
 set -uo pipefail
 OUT=${OUT:-bench/results}
 mkdir -p /tmp/site "$OUT"
@@ -32,10 +34,15 @@ if [ "${HOST_LIMIT:-120}" != 0 ]; then
         --name step_host_h200 > "$OUT/step_host.log" 2>&1
     echo "host profile exit $?"
 fi
-if [ -n "${BASELINE:-}" ]; then
+if [ -n "${BASELINE_PATCH:-}" ]; then  # the device's git may lack this session's commits: a patch instead
+    cp -r "$PWD" /tmp/baseline && (cd /tmp/baseline && git apply -R "$PWD/$BASELINE_PATCH") || echo "no baseline"
+    BASELINE=patch
+elif [ -n "${BASELINE:-}" ]; then
     git worktree add -f /tmp/baseline "$BASELINE" > /dev/null 2>&1 || echo "no worktree of $BASELINE"
+fi
+if [ -n "${BASELINE:-}" ]; then
     (cd /tmp/baseline && PYTHONPATH=/tmp/site:/tmp/baseline timeout "${BASELINE_LIMIT:-150}" python3 -m bench.bench_e2e_step \
-        --steps 8 --batch-sizes 1 32 --contexts 2048 --no-hf --out "$OUT" --name e2e_step_h200_baseline \
+        --steps 8 --batch-sizes 1 32 --contexts 2048 --no-hf --out "$OUT" --name "${BASELINE_NAME:-e2e_step_h200_baseline}" \
         > "$OUT/e2e_step_baseline.log" 2>&1)
     echo "baseline exit $?"
     tail -n 12 "$OUT/e2e_step_baseline.log"
