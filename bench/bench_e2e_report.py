@@ -36,14 +36,15 @@ def markdown(result: dict) -> str:
         "from CUDA graphs and eagerly, side by side on the same engine and sequences; with async "
         "scheduling (the next step queued before this one is read) unless marked 'sync'.",
         "",
-        "ms per step: median (p10-p90); tok/s: emitted tokens over the timed steps; kernels: GPU kernels "
+        "ms per step: median (p10-p90); tok/s: emitted tokens over the timed steps; prefill: the B prompts' "
+        "(B x C tokens, several steps when over the token budget); kernels: GPU kernels "
         "one step runs (torch profiler; from graphs they are replayed by one launch per graph, not "
         "launched one by one).",
         "",
         "| B | context | plain ms, graphs | plain ms, eager | plain tok/s graphs / eager | DFlash ms, graphs "
         "| DFlash ms, graphs sync | DFlash ms, eager | DFlash tok/s graphs / eager | acceptance "
-        "| kernels DFlash graphs / eager | HF decode ms | HF verify K+1 ms |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| kernels DFlash graphs / eager | prefill s plain / DFlash | HF decode ms | HF verify K+1 ms |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for case in result["dflash"]:
         key = (case["batch"], case["context"])
@@ -55,6 +56,7 @@ def markdown(result: dict) -> str:
             f"{_cell(case, 'graphs', 'tokens_per_s')} / {_cell(case, 'eager', 'tokens_per_s')} | "
             f"{_cell(case, 'graphs' if 'graphs' in case else 'eager', 'mean_acceptance_length', '{:.2f}')} | "
             f"{_cell(case, 'graphs', 'kernel_launches')} / {_cell(case, 'eager', 'kernel_launches')} | "
+            f"{(base or {}).get('prefill_s', '-')} / {case.get('prefill_s', '-')} | "
             f"{_ms(ref['decode']) if ref else '-'} | {_ms(ref['verify']) if ref else '-'} |"
         )
     busy = [
