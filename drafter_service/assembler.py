@@ -16,6 +16,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, PositiveInt
 
 from drafter_service.checkpoint import load_drafter, open_drafter_checkpoint
+from drafter_service.context_graphs import ContextGraphs, context_row_sizes
 from drafter_service.context_storage import DenseContext, PagedContext
 from drafter_service.cuda_graphs import ProposeGraphs
 from drafter_service.drafter import DraftWorker
@@ -87,6 +88,8 @@ class DrafterAssembler:
             sizes = capture_sizes(min(self.args.max_num_seqs, self.buffers.layout.max_num_seqs),
                                   self.args.cuda_graph_sizes)
             worker.graphs = ProposeGraphs(worker, sizes).capture()
+            rows = context_row_sizes(sizes, self.config.block_size, self.buffers.layout.max_context_rows)
+            worker.context_graphs = ContextGraphs(worker, rows).capture()
         return worker
 
     def close(self) -> None:

@@ -4,7 +4,7 @@ The propose side of the step buffers already has fixed shapes and addresses, so 
 at batch P reads its first P rows of every field (the whole block table) and writes the first P rows
 of `draft_tokens`. A batch of B is padded to the next captured P; the P - B dummy rows get a start
 position of 0, so their context is empty (they attend to their own noise block only) and their
-drafts are never read. The context store stays eager: its row count changes every step.
+drafts are never read. The context store has graphs of its own (`drafter_service.context_graphs`).
 
 `capture=False` runs the same padded forward eagerly, which is how a CPU tests the padding.
 """

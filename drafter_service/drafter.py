@@ -26,6 +26,7 @@ class DraftWorker:
         self.embed = embed
         self.lm_head = lm_head
         self.graphs = None  # drafter_service.cuda_graphs.ProposeGraphs, set by the assembler on a GPU
+        self.context_graphs = None  # drafter_service.context_graphs.ContextGraphs, likewise
 
     @property
     def block_size(self) -> int:
@@ -35,6 +36,12 @@ class DraftWorker:
         self.buffers.check_context_rows(num_rows)
         if num_rows == 0:
             return
+        if self.context_graphs is None or not self.context_graphs.run(num_rows):
+            self.store_rows(num_rows)
+
+    def store_rows(self, num_rows: int) -> None:
+        """The context K/V of the first num_rows context rows into the draft layers' pages (rows with
+        PAD_SLOT stored nowhere). Fixed shapes for a given num_rows, so `ContextGraphs` captures it."""
         b = self.buffers
         positions = b.context_positions[:num_rows]
         seq_slots, slots = b.context_seq_slots[:num_rows], b.context_slots[:num_rows]

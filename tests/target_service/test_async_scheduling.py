@@ -220,7 +220,9 @@ def test_next_inputs_follow_the_accepted_drafts_and_the_schedulers_draft_rule(dr
 @pytest.mark.parametrize("storage", ["paged", "dense"])
 def test_steps_ahead_through_the_graph_runners_equal_target_only(tmp_path, storage):
     """The graph runners (run eagerly on CPU, capture=False: the padding and the static inputs of a
-    replay) fed the batches a step ahead builds on the device: tokens equal target-only greedy."""
+    replay) fed the batches a step ahead builds on the device: tokens equal target-only greedy, and
+    the drafts (so the acceptance) equal those of the engine without runners."""
+    from drafter_service.context_graphs import ContextGraphs, context_row_sizes
     from drafter_service.cuda_graphs import ProposeGraphs
     from target_service.cuda_graphs import GraphKey, TargetGraphs
 
@@ -228,17 +230,24 @@ def test_steps_ahead_through_the_graph_runners_equal_target_only(tmp_path, stora
     prompts = random_prompts(3, 160, low=3, high=40)  # 3 sequences: graphs of 4 with one dummy
     params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
     expected = run(target, None, prompts, params, async_scheduling=False)["tokens"]
-    llm = LLM(target, drafter, num_speculative_tokens=7, context_storage=storage, **SETTINGS)
-    engine = llm.engine
+    settings = dict(num_speculative_tokens=7, context_storage=storage)
+    eager = run(target, drafter, prompts, params, async_scheduling=True, **settings)
+    llm = LLM(target, drafter, **settings, **SETTINGS)
+    engine, worker = llm.engine, llm.engine.drafter
     graphs = TargetGraphs(engine.target, engine.target_caches, sizes=[1, 2, 4, 8],
                           keys=[GraphKey(8, True), GraphKey(1, True)],
                           max_blocks_per_seq=SETTINGS["max_model_len"] // SETTINGS["tokens_per_block"],
                           device=torch.device("cpu"), capture=False)
-    engine.graphs, engine.drafter.graphs = graphs, ProposeGraphs(engine.drafter, [1, 2, 4, 8], capture=False)
-    served = []
-    graphs_run = graphs.run
+    engine.graphs, worker.graphs = graphs, ProposeGraphs(worker, [1, 2, 4, 8], capture=False)
+    rows = context_row_sizes([1, 2, 4, 8], worker.block_size, worker.buffers.layout.max_context_rows)
+    worker.context_graphs = ContextGraphs(worker, rows, capture=False)
+    served, stored = [], []
+    graphs_run, context_run = graphs.run, worker.context_graphs.run
     graphs.run = lambda batch, key: served.append(batch.num_seqs) or graphs_run(batch, key)
+    worker.context_graphs.run = lambda num_rows: stored.append(num_rows) or context_run(num_rows)
     assert [out.outputs[0].token_ids for out in llm.generate(prompts, params)] == expected
-    assert engine.steps_ahead > 0 and 3 in served
+    stats = llm.stats
+    assert (stats.num_accepted_tokens, stats.num_draft_tokens) == (eager["accepted"], eager["drafts"])
+    assert engine.steps_ahead > 0 and 3 in served and 3 * 8 in stored  # 3 x 8 rows: padded to 32
     assert engine.scheduler.pool.stats().num_used_blocks == 0
     llm.close()

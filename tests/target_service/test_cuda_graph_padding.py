@@ -8,6 +8,7 @@ import pytest
 import torch
 from tiny_checkpoints import write_target_checkpoint
 
+from drafter_service.context_graphs import ContextGraphs, context_row_sizes
 from drafter_service.cuda_graphs import ProposeGraphs
 from target_service.checkpoint import load_target
 from target_service.cuda_graphs import GraphKey, TargetGraphs
@@ -68,3 +69,37 @@ def test_a_padded_proposal_equals_the_unpadded_one(tmp_path):
     assert buffers.start_positions[3:4].tolist() == [0]  # the dummy row's context was emptied
     assert not ProposeGraphs(worker, [1, 2], capture=False).run(3)
     pool.close()
+
+
+def test_a_padded_context_store_writes_exactly_what_the_unpadded_one_writes(tmp_path):
+    from draft_workers import make_draft_worker
+
+    worker, buffers, pool = make_draft_worker(tmp_path, max_num_seqs=8)
+    pages = [page for cache in worker.context.caches for page in cache[:2]]
+    tables = [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
+    rows = [(seq, pos) for seq, n in enumerate([9, 14, 5]) for pos in range(n)]
+    slots = [tables[seq][pos // TPB] * TPB + pos % TPB for seq, pos in rows]
+    slots = [slot if random.random() < 0.7 else -1 for slot in slots]  # rejected drafts: not stored
+    num_rows = buffers.stage_context(torch.randn(len(rows), buffers.layout.tap_width),
+                                     [p for _, p in rows], [s for s, _ in rows], slots)
+    padded = 32
+    # rows past num_rows hold an earlier, larger step's rows: real slots a wrong padding would write
+    buffers.taps[num_rows:padded].normal_()
+    buffers.context_slots[num_rows:padded].copy_(torch.arange(padded - num_rows) + 9 * TPB)
+    buffers.context_positions[num_rows:padded].fill_(17)
+    before = [page.clone() for page in pages]
+    worker.store_rows(num_rows)
+    expected = [page.clone() for page in pages]
+    assert any(not torch.equal(a, b) for a, b in zip(before, expected))  # the real rows stored something
+    for page, old in zip(pages, before):
+        page.copy_(old)
+    assert ContextGraphs(worker, [8, 16, padded, 64], capture=False).run(num_rows)
+    assert all(torch.equal(page, want) for page, want in zip(pages, expected))
+    assert buffers.context_slots[num_rows:padded].tolist() == [-1] * (padded - num_rows)
+    assert not ContextGraphs(worker, [8, 16], capture=False).run(num_rows)  # none large enough: eager
+    pool.close()
+
+
+def test_context_graph_sizes_are_the_batch_sizes_times_the_block_up_to_the_cap():
+    assert context_row_sizes([1, 2, 3, 8, 12, 64, 128], 16, 10_000) == [16, 32, 48, 128, 192, 1024]
+    assert context_row_sizes([1, 2, 4], 8, 20) == [8, 16]  # the step buffers' rows cap them too
