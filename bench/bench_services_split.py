@@ -103,7 +103,7 @@ def _per_step(before: dict, after: dict, steps: int) -> dict:
     out = {}
     for key, value in after.items():
         if isinstance(value, (int, float)) and isinstance(before.get(key), (int, float)):
-            out[key] = round((value - before[key]) / steps, 3)
+            out[key] = round((value - before[key]) / steps, 6 if key.endswith("_s") else 3)  # seconds: to 1 us
     return out
 
 
@@ -197,18 +197,24 @@ def _markdown(result: dict) -> str:
              f"commit {result['commit']}, {result['date']}", "",
              f"command: `{result['command']}`", "",
              "| B | in-process ms/step (p10-p90) | split ms/step (p10-p90) | in-process tok/s | split tok/s "
-             "| split / in-process | blocking RPCs/step | async RPCs/step | control bytes/step |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| split / in-process | blocking RPCs/step | async RPCs/step | control bytes/step "
+             "| target waits on the drafter, ms/step | drafter in handlers, ms/step |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for case in result["cases"]:
         a, b, c = case["inprocess"], case["ray"], case["ray"]["control_per_step"]
         lines.append(
             f"| {case['batch']} | {a['step_ms_median']} ({a['step_ms_p10']}-{a['step_ms_p90']}) "
             f"| {b['step_ms_median']} ({b['step_ms_p10']}-{b['step_ms_p90']}) | {a['tokens_per_s_median']} "
             f"| {b['tokens_per_s_median']} | {case['ray_vs_inprocess']:.3f} | {c.get('blocking_rpcs', '?')} "
-            f"| {c.get('async_rpcs', '?')} | {c.get('request_bytes', 0) + c.get('response_bytes', 0)} |")
+            f"| {c.get('async_rpcs', '?')} | {c.get('request_bytes', 0) + c.get('response_bytes', 0)} "
+            f"| {_ms_per_step(c.get('drafter_wait_s'))} | {_ms_per_step(c.get('drafter_busy_s'))} |")
     lines += ["", f"`bytes` fields in the control plane's protos: {result['proto_bytes_fields'] or 'none'} "
               "(no tensor can travel over gRPC)."]
     return "\n".join(lines) + "\n"
+
+
+def _ms_per_step(seconds: float | None) -> str:
+    return "?" if seconds is None else f"{seconds * 1e3:.3f}"
 
 
 def _save(result: dict, out: Path) -> None:

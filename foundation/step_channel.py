@@ -10,7 +10,7 @@ Layout, int64 words (each side writes only its own words; the caller's and the s
 on separate cache lines):
 
     caller:  0 request_seq   1 writing_seq   2 request_epoch   3 opcode   4 num_args   5.. args
-    server:  16 response_seq   17 status   18 result   19 message_len
+    server:  16 response_seq   17 status   18 result   19 message_len   20 handler_ns (all calls so far)
     set up:  24 magic   25 epoch (bumped by each attach)   26 server_pid   27 caller_pid
     bytes 256..767: the server's error message (utf-8, truncated)
 
@@ -77,7 +77,7 @@ MAGIC = int.from_bytes(b"dfchan01", "little")
 
 # word indices (see the module docstring)
 _REQUEST_SEQ, _WRITING_SEQ, _REQUEST_EPOCH, _OPCODE, _NUM_ARGS, _ARGS = 0, 1, 2, 3, 4, 5
-_RESPONSE_SEQ, _STATUS, _RESULT, _MESSAGE_LEN = 16, 17, 18, 19
+_RESPONSE_SEQ, _STATUS, _RESULT, _MESSAGE_LEN, _HANDLER_NS = 16, 17, 18, 19, 20
 _MAGIC, _EPOCH, _SERVER_PID, _CALLER_PID = 24, 25, 26, 27
 
 STATUS_OK, STATUS_ERROR = 0, 1
@@ -125,6 +125,7 @@ class StepChannel:
         self._seq = seq  # the owner: the last request sent; the server: the last request seen
         self._epoch = int(self._words[_EPOCH])  # the server: its own epoch
         self._posted: tuple | None = None  # the owner: a request sent by post() and not yet answered
+        self.wait_s = 0.0  # the owner: seconds spent waiting for answers (calls, and settling posts)
 
     # ---- both sides ------------------------------------------------------------------------------
 
@@ -248,9 +249,19 @@ class StepChannel:
         futex.wake(self._address + 8 * _REQUEST_SEQ)
         return seq, epoch, opcode, timeout_s
 
+    @property
+    def server_busy_s(self) -> float:
+        """Seconds the attached servers have spent in their handlers so far (read by either side:
+        with `wait_s`, how much of the owner's waiting was the server's work and how much the channel's)."""
+        return int(self._words[_HANDLER_NS]) / 1e9
+
     def _answer_of(self, seq: int, epoch: int, opcode: int, timeout_s: float | None) -> int:
         words = self._words
-        self._wait_answer(seq, epoch, opcode, timeout_s)
+        started = time.perf_counter()
+        try:
+            self._wait_answer(seq, epoch, opcode, timeout_s)
+        finally:
+            self.wait_s += time.perf_counter() - started
         status, result = int(words[_STATUS]), int(words[_RESULT])
         if self.events is not None:
             self.events.wait_outputs()  # also after an error: the server recorded it either way
@@ -384,6 +395,7 @@ class StepChannel:
                 os.sched_yield()
 
     def _answer(self, handler: Handler, seq: int, opcode: int, args: tuple[int, ...]) -> None:
+        started = time.perf_counter_ns()
         if self.events is not None:
             self.events.wait_inputs()
         status, result, message = STATUS_OK, 0, b""
@@ -399,6 +411,7 @@ class StepChannel:
         if self.events is not None:
             self.events.outputs_written()
         words = self._words
+        words[_HANDLER_NS] += time.perf_counter_ns() - started  # only the server writes it
         self._bytes[_HEADER_BYTES:_HEADER_BYTES + len(message)] = np.frombuffer(message, dtype=np.uint8)
         words[_MESSAGE_LEN] = len(message)
         words[_RESULT] = result

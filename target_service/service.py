@@ -221,12 +221,16 @@ class TargetService:
         }
 
     def control_stats(self) -> dict:
-        """The control plane's traffic so far: RPCs the step waited for, those sent behind it, bytes."""
+        """The control plane's traffic so far: RPCs the step waited for, those sent behind it, bytes;
+        and on the step channel, the seconds the step waited for the drafter's answers and the seconds
+        the drafter spent in its handlers (the rest of the waiting is the channel's)."""
         lease = self.control.lease_stats
+        drafter = ({"drafter_wait_s": self.channel.wait_s, "drafter_busy_s": self.channel.server_busy_s}
+                   if self.channel is not None else {})
         return {"reserves_total": lease.reserves_total,
                 "reserves_answered_locally": lease.reserves_answered_locally,
                 "blocking_rpcs": lease.blocking_rpcs, "blocking_s": lease.blocking_s, "drains": lease.drains,
-                "async_rpcs": lease.async_rpcs, **self.control.inner.traffic_totals()}
+                "async_rpcs": lease.async_rpcs, **self.control.inner.traffic_totals(), **drafter}
 
     def close(self) -> None:
         if self.async_engine is not None:

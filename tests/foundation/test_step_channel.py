@@ -193,6 +193,25 @@ def test_a_posted_call_runs_while_the_caller_goes_on_and_the_next_call_waits_for
     assert channel.call(ADD, 1, 2) == 3  # the error was dropped with the posted call
 
 
+def test_the_owner_counts_its_waiting_and_the_server_its_handler_time(served):
+    """wait_s (the owner's, in calls and settles) covers the server's handler time; server_busy_s (the
+    server's, read through the shared words) covers the sleeps its handler took, and not the time the
+    caller spent elsewhere."""
+    channel = served.channel
+    sleeps = torch.randint(20, 60, (3,)).tolist()  # ms
+    channel.call(SLEEP, sleeps[0])
+    channel.post(SLEEP, sleeps[1])
+    time.sleep(0.15)  # the caller busy elsewhere: the posted handler finishes meanwhile
+    channel.settle()
+    channel.call(SLEEP, sleeps[2])
+    handled = sum(sleeps) / 1000
+    assert handled <= channel.server_busy_s < handled + 0.1
+    assert sleeps[0] / 1000 + sleeps[2] / 1000 <= channel.wait_s < handled + 0.1
+    busy, waited = channel.server_busy_s, channel.wait_s
+    assert channel.call(ADD, 2, 3) == 5  # a call that takes no time on either side adds little
+    assert channel.server_busy_s - busy < 0.01 and channel.wait_s - waited < 0.05
+
+
 @pytest.mark.slow
 def test_a_posted_call_to_a_server_that_dies_is_peer_gone_once_then_a_successor_serves(served):
     channel, first = served.channel, served.processes[0]
