@@ -46,18 +46,25 @@ class ContextGraphs:
 
     def capture(self) -> ContextGraphs:
         """Warm each size up eagerly over dummy rows (nothing is stored), then capture it, largest
-        first, in one memory pool."""
+        first, in one memory pool. A capture the device refuses leaves no graph: the store runs
+        eagerly (slower on the host, the same pages), with a warning that says why."""
         if not self.capturing or not self.sizes:
             return self
-        pool = torch.cuda.graph_pool_handle()
-        for size in reversed(self.sizes):
-            self._pad(0, size)
-            self.worker.store_rows(size)
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+        try:
+            pool = torch.cuda.graph_pool_handle()
+            for size in reversed(self.sizes):
+                self._pad(0, size)
                 self.worker.store_rows(size)
-            self.graphs[size] = graph
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self.worker.store_rows(size)
+                self.graphs[size] = graph
+        except RuntimeError as error:
+            logger.warning("context graphs not captured (%s); the context store runs eagerly", error)
+            self.graphs.clear()
+            self.sizes = []
+            return self
         logger.info("captured %d context graphs (rows %s)", len(self.graphs), self.sizes)
         return self
 
