@@ -43,6 +43,7 @@ def test_cuda_graph_steps_equal_eager_steps_and_target_only_greedy(tmp_path, wit
             assert graphs.replays > 0  # the steady state ran from graphs
             if with_drafter:
                 assert llm.engine.drafter.graphs.replays > 0
+                assert llm.engine.drafter.context_graphs.replays > 0
         llm.close()
     plain = LLM(target, device="cuda", dtype="float32", kv_cache_memory="64MiB", tokens_per_block=16,
                 enforce_eager=True)
@@ -50,6 +51,34 @@ def test_cuda_graph_steps_equal_eager_steps_and_target_only_greedy(tmp_path, wit
     assert outputs[False] == outputs[True]  # at these lengths both plan the same attention splits
     for prompt, ours, reference in zip(prompts, outputs[False], expected):
         assert_equal_up_to_a_near_tie(target, prompt, ours, reference)
+
+
+def test_a_context_graph_replay_stores_the_pages_an_eager_store_does(tmp_path):
+    """Rows padded to a captured count: the replay writes the real rows' K/V as the eager store does
+    (fp32; GEMMs over more rows may round differently in the last bits) and nothing for the rest."""
+    target, drafter = make_pair(tmp_path)
+    llm = LLM(target, drafter, device="cuda", dtype="float32", max_num_seqs=8, kv_cache_memory="64MiB",
+              tokens_per_block=16, max_model_len=256)
+    worker = llm.engine.drafter
+    graphs, buffers = worker.context_graphs, worker.buffers
+    num_rows = int(torch.randint(1, graphs.sizes[-1], ()))
+    pages = [page for cache in worker.context.caches for page in cache[:2]]
+    num_slots = pages[0].shape[0] * pages[0].shape[1]
+    slots = torch.randperm(num_slots)[:num_rows]
+    slots[torch.rand(num_rows) < 0.3] = -1  # rejected drafts
+    buffers.stage_context(torch.randn(num_rows, buffers.layout.tap_width, device="cuda"),
+                          torch.randint(0, 200, (num_rows,)).tolist(), [0] * num_rows, slots.tolist())
+    before = [page.clone() for page in pages]
+    worker.store_rows(num_rows)
+    expected = [page.clone() for page in pages]
+    for page, old in zip(pages, before):
+        page.copy_(old)
+    replays = graphs.replays
+    assert graphs.run(num_rows) and graphs.replays == replays + 1
+    torch.cuda.synchronize()
+    for got, want in zip(pages, expected):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    llm.close()
 
 
 def test_pool_budget_from_gpu_memory_utilization(tmp_path):
