@@ -20,14 +20,8 @@ run eagerly.
 
 from __future__ import annotations
 
-import bisect
-import logging
-
-import torch
-
+from drafter_service.cuda_graphs import PaddedGraphs
 from kernels import PAD_SLOT
-
-logger = logging.getLogger(__name__)
 
 MAX_ROWS = 1024  # 64 sequences x 16 rows; ~50 MB of bf16 activations at Qwen3-8B's drafter widths
 
@@ -38,54 +32,16 @@ def context_row_sizes(batch_sizes: list[int], block_size: int, max_rows: int) ->
     return sorted({size * block_size for size in batch_sizes if size * block_size <= limit})
 
 
-class ContextGraphs:
-    def __init__(self, worker, sizes: list[int], *, capture: bool = True):
-        self.worker, self.sizes, self.capturing = worker, sorted(sizes), capture
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.replays = 0
+class ContextGraphs(PaddedGraphs):
+    """The context store per row count; dummy rows are stored nowhere, at position 0 of slot 0."""
 
-    def capture(self) -> ContextGraphs:
-        """Warm each size up eagerly over dummy rows (nothing is stored), then capture it, largest
-        first, in one memory pool. A capture the device refuses leaves no graph: the store runs
-        eagerly (slower on the host, the same pages), with a warning that says why."""
-        if not self.capturing or not self.sizes:
-            return self
-        try:
-            pool = torch.cuda.graph_pool_handle()
-            for size in reversed(self.sizes):
-                self._pad(0, size)
-                self.worker.store_rows(size)
-                torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    self.worker.store_rows(size)
-                self.graphs[size] = graph
-        except RuntimeError as error:
-            logger.warning("context graphs not captured (%s); the context store runs eagerly", error)
-            self.graphs.clear()
-            self.sizes = []
-            return self
-        logger.info("captured %d context graphs (rows %s)", len(self.graphs), self.sizes)
-        return self
-
-    def run(self, num_rows: int) -> bool:
-        """Store the first num_rows context rows from a graph; False when none is large enough."""
-        index = bisect.bisect_left(self.sizes, num_rows)
-        if index == len(self.sizes):
-            return False
-        padded = self.sizes[index]
-        self._pad(num_rows, padded)
-        if self.capturing:
-            self.graphs[padded].replay()
-            self.replays += 1
-        else:
-            self.worker.store_rows(padded)
-        return True
+    what = "context"
 
     def _pad(self, start: int, end: int) -> None:
-        """Rows start..end-1 become dummies: stored nowhere, at position 0 of slot 0."""
-        if start < end:
-            buffers = self.worker.buffers
-            buffers.context_slots[start:end].fill_(PAD_SLOT)
-            buffers.context_positions[start:end].zero_()
-            buffers.context_seq_slots[start:end].zero_()
+        buffers = self.worker.buffers
+        buffers.context_slots[start:end].fill_(PAD_SLOT)
+        buffers.context_positions[start:end].zero_()
+        buffers.context_seq_slots[start:end].zero_()
+
+    def _forward(self, size: int) -> None:
+        self.worker.store_rows(size)

@@ -19,39 +19,74 @@ import torch
 logger = logging.getLogger(__name__)
 
 
-class ProposeGraphs:
+class PaddedGraphs:
+    """CUDA graphs of one fixed-shape forward per size over static buffers; a count is padded to the
+    next captured size, its padding rows made harmless by `_pad`. Subclasses say what runs (`_forward`)
+    and what a dummy row is (`_pad`). `capture=False` runs the padded forward eagerly (CPU tests)."""
+
+    what = "drafter"  # for the log lines
+
     def __init__(self, worker, sizes: list[int], *, capture: bool = True):
         self.worker, self.sizes, self.capturing = worker, sorted(sizes), capture
-        self.columns = worker.buffers.layout.max_blocks_per_seq
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.replays = 0
 
-    def capture(self) -> ProposeGraphs:
-        """Warm each size up eagerly, then capture it, largest first, in one memory pool."""
-        if not self.capturing:
+    def capture(self):
+        """Warm each size up eagerly over dummy rows, then capture it, largest first, in one memory
+        pool. A capture the device refuses leaves no graph: every count then runs eagerly (the same
+        results, more host time), with a warning that says why."""
+        if not self.capturing or not self.sizes:
             return self
-        pool = torch.cuda.graph_pool_handle()
-        for size in reversed(self.sizes):
-            self.worker.buffers.start_positions[:size].zero_()
-            self.worker.draft_rows(size, self.columns)
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.worker.draft_rows(size, self.columns)
-            self.graphs[size] = graph
-        logger.info("captured %d drafter graphs (sizes %s)", len(self.graphs), self.sizes)
+        try:
+            pool = torch.cuda.graph_pool_handle()
+            for size in reversed(self.sizes):
+                self._pad(0, size)
+                self._forward(size)
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self._forward(size)
+                self.graphs[size] = graph
+        except RuntimeError as error:
+            logger.warning("%s graphs not captured (%s); they run eagerly", self.what, error)
+            self.graphs.clear()
+            self.sizes = []
+            return self
+        logger.info("captured %d %s graphs (sizes %s)", len(self.graphs), self.what, self.sizes)
         return self
 
-    def run(self, num_seqs: int) -> bool:
-        """Draft the first num_seqs rows from a graph; False when none is large enough."""
-        index = bisect.bisect_left(self.sizes, num_seqs)
+    def run(self, count: int) -> bool:
+        """Run the forward for the first `count` rows from a graph; False when none is large enough."""
+        index = bisect.bisect_left(self.sizes, count)
         if index == len(self.sizes):
             return False
         padded = self.sizes[index]
-        self.worker.buffers.start_positions[num_seqs:padded].zero_()  # dummies: empty context
+        self._pad(count, padded)
         if self.capturing:
             self.graphs[padded].replay()
             self.replays += 1
         else:
-            self.worker.draft_rows(padded, self.columns)
+            self._forward(padded)
         return True
+
+    def _pad(self, start: int, end: int) -> None:
+        raise NotImplementedError
+
+    def _forward(self, size: int) -> None:
+        raise NotImplementedError
+
+
+class ProposeGraphs(PaddedGraphs):
+    """The block forward per batch size; dummy sequences start at position 0 (an empty context)."""
+
+    what = "drafter"
+
+    def __init__(self, worker, sizes: list[int], *, capture: bool = True):
+        super().__init__(worker, sizes, capture=capture)
+        self.columns = worker.buffers.layout.max_blocks_per_seq
+
+    def _pad(self, start: int, end: int) -> None:
+        self.worker.buffers.start_positions[start:end].zero_()
+
+    def _forward(self, size: int) -> None:
+        self.worker.draft_rows(size, self.columns)
