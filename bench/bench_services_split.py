@@ -103,7 +103,8 @@ def _per_step(before: dict, after: dict, steps: int) -> dict:
     out = {}
     for key, value in after.items():
         if isinstance(value, (int, float)) and isinstance(before.get(key), (int, float)):
-            out[key] = round((value - before[key]) / steps, 6 if key.endswith("_s") else 3)  # seconds: to 1 us
+            digits = 6 if key.endswith("_s") else 3  # seconds to the microsecond
+            out[key] = round((value - before[key]) / steps, digits)
     return out
 
 
