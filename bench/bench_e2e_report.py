@@ -28,7 +28,8 @@ def markdown(result: dict) -> str:
         f"- device {result['device']}, torch {result['torch']}, commit {result['commit']}, "
         f"date {result['date']}",
         f"- command: `{result['command']}`",
-        f"- geometry {result['geometry']} (random weights), {result['dtype']}, "
+        f"- geometry {result['geometry']} (random weights), {result['dtype']}, target K/V cache "
+        f"{result.get('kv_cache_dtype', 'auto')}, "
         f"K {result.get('num_speculative_tokens', '-')}, acceptance simulated around "
         f"{result['simulate_acceptance']} (bench only), {result['steps']} timed steps per case, mode and "
         f"round; {result.get('rounds', 1)} rounds alternating graphs and graphs sync, eager once",

@@ -288,6 +288,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=3, help="rounds alternating graphs and graphs_sync")
     parser.add_argument("--simulate-acceptance", type=float, default=6.5)
     parser.add_argument("--kv-cache-memory", default=None, help="pool budget (default: the engine's)")
+    parser.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
+                        help="the target's K/V pages (fp8: float8 e4m3, half the attention's bytes)")
     parser.add_argument("--limits-max-num-seqs", type=int, nargs="*", default=[],
                         help="also time the DFlash step on engines started with each of these max_num_seqs")
     parser.add_argument("--limits-kv-cache-memory", nargs="*", default=[],
@@ -317,6 +319,7 @@ def main(argv: list[str] | None = None) -> None:
         "geometry": args.geometry,
         "dtype": dtype,
         "simulate_acceptance": args.simulate_acceptance,
+        "kv_cache_dtype": args.kv_cache_dtype,
         "steps": args.steps,
         "rounds": args.rounds,
         "plain": [],
@@ -336,6 +339,7 @@ def main(argv: list[str] | None = None) -> None:
             max_model_len=max(max_context, args.limits_context)
             + steps_per_case(args.steps, args.rounds) * 16 + 64,
             kv_cache_memory=kv_cache_memory,
+            kv_cache_dtype=args.kv_cache_dtype,
             max_num_batched_tokens=8192,
             seed=args.seed,
         )

@@ -32,6 +32,8 @@ def register(subparsers) -> None:
     parser.add_argument("--max-model-len", type=int)
     parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"),
                         help="compute dtype (default: float32 on CPU, the checkpoint's dtype on a GPU)")
+    parser.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
+                        help="the target's K/V pages: the compute dtype (auto) or float8 e4m3 (fp8)")
     parser.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda when available)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of text")
     parser.set_defaults(func=run)
@@ -57,7 +59,8 @@ def run(args: argparse.Namespace) -> int:
                             top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos)
     llm = LLM(args.target, args.drafter, num_speculative_tokens=args.num_speculative_tokens,
               context_storage=args.context_storage, kv_cache_memory=args.kv_cache_memory,
-              max_model_len=args.max_model_len, dtype=args.dtype, device=args.device, max_num_seqs=1,
+              max_model_len=args.max_model_len, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
+              device=args.device, max_num_seqs=1,
               seed=args.seed)
     try:
         started = time.perf_counter()

@@ -24,6 +24,8 @@ def register(subparsers) -> None:
     parser.add_argument("--tokens-per-block", type=int, default=32)
     parser.add_argument("--context-dtype", choices=sorted(CONTEXT_DTYPES), default=None,
                         help="dtype of the draft context (default: the target's dtype)")
+    parser.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
+                        help="dtype of the target's K/V pages: the target's dtype (auto) or float8 e4m3")
     parser.add_argument("--avg-seq-len", type=int, default=None,
                         help="tokens per request for the concurrency estimate (default: max-model-len)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -34,7 +36,9 @@ def run(args: argparse.Namespace) -> int:
     target = load_target_config(args.target)
     drafter = load_drafter_config(args.drafter)
     spec = PoolSpec.from_configs(
-        target, drafter, tokens_per_block=args.tokens_per_block, context_dtype=args.context_dtype
+        target, drafter, tokens_per_block=args.tokens_per_block,
+        dtype=CONTEXT_DTYPES["fp8"] if args.kv_cache_dtype == "fp8" else None,
+        context_dtype=args.context_dtype or target.dtype_name,  # an fp8 target cache leaves the context alone
     )
     plan = plan_pool(
         spec, byte_size("--memory", args.memory), max_model_len=args.max_model_len,

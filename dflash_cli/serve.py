@@ -32,6 +32,9 @@ def register(subparsers) -> None:
     parser.add_argument("-k", "--num-speculative-tokens", type=int, help="drafts per step")
     parser.add_argument("--context-storage", choices=("paged", "dense"), default="paged")
     parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"))
+    parser.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
+                        help="the target's K/V pages: the compute dtype (auto), or float8 e4m3 (fp8: about "
+                             "twice the tokens per pool; outputs follow the fp8 cache)")
     parser.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda when available)")
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-model-len", type=int)

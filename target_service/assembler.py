@@ -69,12 +69,18 @@ class TargetAssembler:
         """The pool's dtype: the target's compute dtype (the draft context's too); known before loading."""
         return str(resolve_dtype(self.dtype, self.checkpoint.config.dtype_name)).removeprefix("torch.")
 
+    @property
+    def target_cache_dtype(self) -> str:
+        """The target group's page dtype: kv_dtype, or float8 e4m3 with kv_cache_dtype="fp8"."""
+        return "float8_e4m3fn" if self.args.kv_cache_dtype == "fp8" else self.kv_dtype
+
     def pool_spec(self) -> PoolSpec:
         """Every group the pool needs for this pair (the pool drops the draft group for dense context).
 
         Read from the configs alone, so a pool process can size the pool without loading weights."""
         return PoolSpec.from_configs(self.checkpoint.config, self.drafter_config,
-                                     tokens_per_block=self.args.tokens_per_block, dtype=self.kv_dtype)
+                                     tokens_per_block=self.args.tokens_per_block,
+                                     dtype=self.target_cache_dtype, context_dtype=self.kv_dtype)
 
     def kv_budget(self) -> int:
         """kv_cache_memory when given; on a GPU what the weights and activations leave; else a default."""
@@ -136,7 +142,7 @@ class TargetAssembler:
         """The pool's target layers, mapped from the handle (refused unless the layout is ours)."""
         layout = pool_handle.layout
         own = PoolSpec.from_configs(self.checkpoint.config, tokens_per_block=layout.spec.tokens_per_block,
-                                    dtype=self.kv_dtype).target
+                                    dtype=self.target_cache_dtype).target
         expected = layout.model_copy(update={"spec": layout.spec.model_copy(update={"target": own})})
         self.memory = PoolMemory.attach(pool_handle, expected)
         return self.memory.layers("target"), layout

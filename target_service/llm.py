@@ -30,7 +30,8 @@ class LLM:
 
     def __init__(self, target: str | None = None, drafter: str | None = None, *,
                  num_speculative_tokens: int | None = None,
-                 context_storage: str = "paged", dtype: str | None = None, device: str | None = None,
+                 context_storage: str = "paged", dtype: str | None = None, kv_cache_dtype: str = "auto",
+                 device: str | None = None,
                  max_model_len: int | None = None, max_num_seqs: int = 256, kv_cache_memory=None,
                  gpu_memory_utilization: float = 0.9, tokens_per_block: int = 32,
                  enable_prefix_caching: bool = True, seed: int | None = None,
@@ -43,7 +44,8 @@ class LLM:
         self.args = EngineArgs(
             target=target, drafter=drafter,
             num_speculative_tokens=num_speculative_tokens, context_storage=context_storage, dtype=dtype,
-            device=device, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+            kv_cache_dtype=kv_cache_dtype, device=device, max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
             kv_cache_memory=kv_cache_memory, gpu_memory_utilization=gpu_memory_utilization,
             tokens_per_block=tokens_per_block, enable_prefix_caching=enable_prefix_caching, seed=seed,
             max_num_batched_tokens=max_num_batched_tokens, enforce_eager=enforce_eager,

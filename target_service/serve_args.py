@@ -27,6 +27,7 @@ class ServeArgs(BaseModel):
     num_speculative_tokens: int | None = Field(None, ge=1)
     context_storage: Literal["paged", "dense"] = "paged"
     dtype: Literal["bfloat16", "float16", "float32"] | None = None
+    kv_cache_dtype: Literal["auto", "fp8"] = "auto"
     device: str | None = None
     max_num_seqs: int = Field(64, ge=1)
     max_model_len: int | None = Field(None, ge=2)
@@ -88,7 +89,8 @@ class ServeArgs(BaseModel):
     def engine_args(self) -> EngineArgs:
         target, drafter = resolve_pair(self.target, self.drafter)
         return EngineArgs(target=target, drafter=drafter, num_speculative_tokens=self.num_speculative_tokens,
-                          context_storage=self.context_storage, dtype=self.dtype, device=self.device,
+                          context_storage=self.context_storage, dtype=self.dtype,
+                          kv_cache_dtype=self.kv_cache_dtype, device=self.device,
                           max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len,
                           kv_cache_memory=self.kv_cache_memory, enable_prefix_caching=True,
                           enforce_eager=self.enforce_eager, async_scheduling=self.async_scheduling)

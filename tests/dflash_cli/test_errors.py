@@ -102,6 +102,15 @@ def test_a_gpu_this_machine_lacks_is_refused(dflash, pair):
     assert code == 2 and err.startswith("dflash generate: error: device 'cuda:99' was asked for but")
 
 
+@pytest.mark.parametrize("command", [("generate", "--prompt-ids", "1,2"), ("serve",), ("plan", *EXAMPLES)])
+def test_an_unknown_cache_dtype_is_one_line_naming_the_flag(capsys, command):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main([*command, "--kv-cache-dtype", "int4"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and len(err.strip().splitlines()) == 1
+    assert err.startswith(f"dflash {command[0]}: error: argument --kv-cache-dtype: invalid choice: 'int4'")
+
+
 def test_argparse_mistakes_are_one_line_too(capsys):
     with pytest.raises(SystemExit) as exit_:
         cli.main(["plan", "--memory", "1GiB"])
@@ -159,3 +168,12 @@ def test_serve_async_scheduling_flag_reaches_the_engine_args(argv, expected):
     args = build_parser().parse_args(["serve", "--device", "cpu", *argv])
     settings = serve_args(args)
     assert settings.async_scheduling is expected and settings.engine_args().async_scheduling is expected
+
+
+@pytest.mark.parametrize("argv,expected", [([], "auto"), (["--kv-cache-dtype", "fp8"], "fp8")])
+def test_serve_kv_cache_dtype_flag_reaches_the_engine_args(argv, expected):
+    from dflash_cli.main import build_parser
+    from dflash_cli.serve import serve_args
+
+    args = build_parser().parse_args(["serve", "--device", "cpu", *argv])
+    assert serve_args(args).engine_args().kv_cache_dtype == expected

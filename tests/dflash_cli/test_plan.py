@@ -53,6 +53,16 @@ def test_fp8_context_reports_the_cap_and_what_the_blocks_hold(capsys):
     assert "(dense:" not in rows  # 35 < 64: nothing capped
 
 
+def test_an_fp8_target_cache_halves_the_target_bytes_and_leaves_the_context_alone(capsys):
+    assert main([*BASE, "--memory", "40GiB", "--kv-cache-dtype", "fp8", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    # 36 layers x (K, V) x 8 heads x 128 dims x 1 byte; the context stays bf16 (5 x 2 x 8 x 128 x 2)
+    assert plan["target_bytes_per_token"] == 36 * 2 * 8 * 128 == 73_728
+    assert plan["draft_bytes_per_token"] == 20_480
+    # (40 GiB - 36 x 2 x 4 bytes of fp32 scales) // (32 x 94,208) = 14,246 blocks
+    assert plan["num_blocks"] == (40 * 2**30 - 36 * 2 * 4) // (32 * 94_208) == 14_246
+
+
 def test_a_dense_reservation_of_the_whole_budget_is_said_in_words(capsys):
     assert main([*BASE, "--memory", "40GiB", "--avg-seq-len", "4096"]) == 0
     dense = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("dense"))
