@@ -21,7 +21,8 @@ python3 -c 'import pydantic, grpc, torch, triton; print("torch", torch.__version
 if [ "${TESTS:-1}" != 0 ]; then
     python3 -m pytest -q -p no:cacheprovider tests/foundation/test_host_transfer.py tests/target_service/test_verify.py \
         tests/target_service/test_engine_gpu.py tests/target_service/test_cuda_graph_padding.py \
-        tests/target_service/test_context_rows.py > "$OUT/gpu_tests_step.txt" 2>&1
+        tests/target_service/test_context_rows.py tests/target_service/test_kv_cache_dtype.py \
+        tests/kernels/test_fused_layers.py > "$OUT/gpu_tests_step.txt" 2>&1
     tail -n 3 "$OUT/gpu_tests_step.txt"
 fi
 timeout "${LIMIT:-420}" python3 -m bench.bench_e2e_step --steps 8 --batch-sizes 1 32 --contexts 2048 8192 \
