@@ -66,7 +66,8 @@ class TargetAssembler:
 
     @property
     def kv_dtype(self) -> str:
-        """The pool's dtype: the target's compute dtype (the draft context's too); known before loading."""
+        """The compute dtype: the draft context's and the taps' dtype, and the target's pages' unless
+        kv_cache_dtype is "fp8" (`target_cache_dtype`); known before loading."""
         return str(resolve_dtype(self.dtype, self.checkpoint.config.dtype_name)).removeprefix("torch.")
 
     @property
