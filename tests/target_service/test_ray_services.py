@@ -91,16 +91,17 @@ def assert_pool_drains(services) -> None:
     assert services.pool_stats().num_seqs == 0
 
 
-@pytest.mark.parametrize("storage,k", [("paged", 7), ("dense", 1)])
-def test_ray_services_equal_the_in_process_engine_token_for_token(ray_local, storage, k):
+@pytest.mark.parametrize("storage,k,cache", [("paged", 7, "auto"), ("dense", 1, "auto"), ("paged", 3, "fp8")])
+def test_ray_services_equal_the_in_process_engine_token_for_token(ray_local, storage, k, cache):
     """The demo pair (a trained drafter, so drafts are accepted): outputs AND the speculative counters
     must equal the in-process engine's, so the drafter actor read the same context the in-process
-    drafter would have (greedy outputs alone are lossless whatever the drafts)."""
+    drafter would have (greedy outputs alone are lossless whatever the drafts). With an fp8 target
+    cache the target actor maps fp8 pages the pool actor sized."""
     from target_service.demo import resolve_pair
 
     target, drafter = resolve_pair(None, None)
     settings = dict(SETTINGS, context_storage=storage, num_speculative_tokens=k, kv_cache_memory="16MiB",
-                    max_model_len=512)
+                    max_model_len=512, kv_cache_dtype=cache)
     text = ["def parse_args(argv):\n    parser = ", "class Stack:\n    def __init__(self):",
             "import os\nimport sys\n\n\ndef main():", "for i in range(10):", "# Read the file\nwith open("]
     shared = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n    if n < 2:"
