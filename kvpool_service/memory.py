@@ -3,7 +3,7 @@
 The whole pool is ONE byte buffer (a /dev/shm file on CPU, one CUDA allocation on GPU) carved into
 aligned segments, so one handle shares everything:
 
-    [header 4 KiB][target arena][draft arena][draft scales, fp8 only]
+    [header 4 KiB][target arena][target scales, fp8 only][draft arena][draft scales, fp8 only]
 
 - arena of a group: `[num_blocks, L, 2, tokens_per_block, H, D]` in the group's dtype; the K cache of
   layer l is `arena[:, l, 0]` and its V cache `arena[:, l, 1]`, both `[num_blocks, tokens_per_block,
