@@ -6,12 +6,18 @@ for a CPU smoke run. The tensors follow the loaders' own layouts (`target_weight
 `drafter_weight_layout`), so what is written is exactly what the engine reads. Projections are
 N(0, 0.02), norms are 1: random, but with the scale of a trained model's activations, so no step
 overflows in bf16. Acceptance of a random pair is near zero; the step bench simulates it.
+
+The benches that run on such a pair share its flags (`add_pair_arguments`), how they become a device,
+a dtype and the written pair (`random_pair_for`), and how a result names its device (`device_name`).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import logging
 import shutil
+import time
 from pathlib import Path
 
 import torch
@@ -21,6 +27,7 @@ from foundation.checkpoint_config import load_drafter_config, load_target_config
 from target_service.model import target_weight_layout
 from training.export import save_sharded
 
+logger = logging.getLogger(__name__)
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 GEOMETRIES = {"qwen3-8b": (EXAMPLES / "qwen3-8b", EXAMPLES / "qwen3-8b-dflash-b16")}
 SHARD_BYTES = 4 << 30
@@ -121,3 +128,31 @@ def write_random_pair(
     _write(drafter_out, drafter_json, drafter_weight_layout(drafter_config), torch_dtype, seed + 1)
     stamp.write_text(json.dumps(wanted))
     return target_out, drafter_out
+
+
+def add_pair_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags `random_pair_for` reads: --geometry, --checkpoints, --dtype, --device, --seed."""
+    parser.add_argument("--geometry", default="qwen3-8b", choices=["qwen3-8b", "tiny"])
+    parser.add_argument(
+        "--checkpoints", default="/tmp/dflash-e2e-pair", help="where the random pair is written"
+    )
+    parser.add_argument("--dtype", default=None, help="compute dtype (default: bfloat16 on a GPU)")
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def random_pair_for(args) -> tuple[torch.device, str, Path, Path]:
+    """The device (--device, else cuda when there is one), the dtype (--dtype, else bf16 on a GPU
+    and fp32 on CPU) and the random pair of --geometry written (once) under --checkpoints."""
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
+    started = time.perf_counter()
+    target, drafter = write_random_pair(Path(args.checkpoints), args.geometry, dtype=dtype, seed=args.seed)
+    logger.info("checkpoints ready in %.1f s", time.perf_counter() - started)
+    return device, dtype, target, drafter
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({torch.get_num_threads()} threads)"

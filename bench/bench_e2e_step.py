@@ -33,241 +33,21 @@ import datetime
 import gc
 import json
 import logging
-import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
 
-from bench.bench_e2e_checkpoints import write_random_pair
+from bench.bench_e2e_checkpoints import add_pair_arguments, device_name, random_pair_for
 from bench.bench_e2e_report import markdown, plot
+from bench.hf_step import hf_case
+from bench.simulated_acceptance import SimulatedAcceptance
 from bench.step_limits import limit_configs, limits_sweep
-from foundation.host_transfer import to_device
+from bench.step_timing import engine_case, steps_per_case
 
 RESULTS = Path(__file__).resolve().parent / "results"
 logger = logging.getLogger("bench_e2e_step")
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-class SimulatedAcceptance:
-    """Replaces `target_service.verify.accepted_lengths` in this process: accepted ~ Poisson(MEAN - 1),
-    capped at each sequence's draft count (drawn on the host, one small copy to the device)."""
-
-    def __init__(self, mean: float, seed: int):
-        import target_service.verify as verify_module
-
-        self.module, self.original = verify_module, verify_module.accepted_lengths
-        self.rate = max(mean - 1.0, 0.0)
-        self.generator = torch.Generator().manual_seed(seed)
-
-    def __call__(self, drafts, targets, owners, columns, num_drafts: torch.Tensor) -> torch.Tensor:
-        rates = torch.full((num_drafts.shape[0],), self.rate)
-        drawn = torch.poisson(rates, generator=self.generator).to(torch.int64).tolist()
-        return torch.minimum(to_device(drawn, torch.int64, num_drafts.device), num_drafts)
-
-    def __enter__(self):
-        self.module.accepted_lengths = self
-        return self
-
-    def __exit__(self, *exc):
-        self.module.accepted_lengths = self.original
-
-
-def _spread(values: list[float]) -> dict:
-    ordered = sorted(values)
-    return {
-        "median": statistics.median(ordered),
-        "p10": ordered[len(ordered) // 10],
-        "p90": ordered[(len(ordered) * 9) // 10],
-        "n": len(ordered),
-    }
-
-
-def _timed_steps(engine, device: torch.device, steps: int, on_start=None) -> tuple[list[float], int]:
-    """Seconds of each of `steps` engine steps, and the tokens they emitted.
-
-    No synchronisation between steps: `engine.step()` returns once it has read its step's tokens, so
-    the returns are paced by the device, and a step queued ahead of that read (async scheduling)
-    overlaps the host's work as in serving. One untimed step first puts that pipeline in its steady
-    state; a step's time is from the return of the one before to its own return. `on_start` is
-    called after that step, before the timing starts.
-    """
-    engine.step()
-    if on_start is not None:
-        on_start()
-    before = sum(len(seq.output_token_ids) for seq in engine.sequences.values())
-    times, last = [], time.perf_counter()
-    for _ in range(steps):
-        engine.step()
-        now = time.perf_counter()
-        times.append(now - last)
-        last = now
-    after = sum(len(seq.output_token_ids) for seq in engine.sequences.values())
-    _sync(device)
-    return times, after - before
-
-
-def _kernel_profile(engine, device: torch.device) -> dict:
-    """Kernel launches and busy GPU time of one step."""
-    if device.type != "cuda":
-        return {}
-    from torch.profiler import ProfilerActivity, profile
-
-    _sync(device)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        engine.step()
-        _sync(device)
-    kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
-    by_name: dict[str, list[float]] = {}
-    for event in kernels:
-        by_name.setdefault(event.name[:80], []).append(event.device_time_total)
-    top = sorted(by_name.items(), key=lambda item: -sum(item[1]))[:12]
-    return {
-        "kernel_launches": len(kernels),
-        "gpu_busy_ms": round(sum(e.device_time_total for e in kernels) / 1000, 3),
-        # where the busy time goes: the kernels that took most of it, with their launch counts
-        "top_kernels": [{"name": name, "ms": round(sum(times) / 1000, 3), "launches": len(times)}
-                        for name, times in top],
-    }
-
-
-def _graphs_on(engine, on: bool, saved: tuple) -> None:
-    """Switch both CUDA graph runners (the target's, the drafter's) on or off on a live engine."""
-    target_graphs, draft_graphs = saved
-    engine.graphs = target_graphs if on else None
-    if engine.drafter is not None:
-        engine.drafter.graphs = draft_graphs if on else None
-
-
-# (label, CUDA graphs on, async scheduling on): the first two alternate over the rounds; eager runs once
-GRAPH_MODES = (("graphs", True, True), ("graphs_sync", True, False))
-EAGER_MODE = ("eager", False, True)
-
-
-def steps_per_case(steps: int, rounds: int) -> int:
-    """Engine steps one case runs after its prefill: each timing of `steps` (two graph modes per round,
-    eager once) adds a warm-up and an untimed step, and each mode one profiled step."""
-    timings = len(GRAPH_MODES) * rounds + 1
-    return timings * (steps + 2) + len(GRAPH_MODES) + 1
-
-
-def engine_case(llm, batch: int, context: int, steps: int, k: int, vocab: int, seed: int,
-                rounds: int = 1) -> dict:
-    """Prefill B prompts of C tokens, then time `steps` steps per mode and round side by side on the
-    same engine and sequences: from CUDA graphs with and without async scheduling, alternating over
-    `rounds`, then eagerly once. Each mode's spread pools its rounds; `round_medians` keeps each."""
-    from target_service.sampling_params import SamplingParams
-
-    engine, device = llm.engine, llm.engine.device
-    generator = torch.Generator().manual_seed(seed)
-    # As many new tokens as the model allows: with a token budget below B x C the prompts prefill a
-    # few per step while the first ones already decode, and a smaller max_tokens let those finish
-    # before the timed steps (B 64 ctx 8192 once measured 3.8 "acceptance" over a shrunken batch).
-    params = SamplingParams(max_tokens=engine.scheduler.max_model_len - context - 1, temperature=0.0,
-                            ignore_eos=True)
-    ids = [f"b{batch}-c{context}-{i}" for i in range(batch)]
-    for request_id in ids:
-        prompt = torch.randint(3, vocab - 2, (context,), generator=generator).tolist()
-        engine.add_request(request_id, prompt, params)
-    saved = (engine.graphs, getattr(engine.drafter, "graphs", None))
-    result = {"batch": batch, "context": context}
-    try:
-        _sync(device)
-        started = time.perf_counter()
-        while any(not seq.output_token_ids for seq in engine.sequences.values()):
-            engine.step()
-        _sync(device)
-        result["prefill_s"] = round(time.perf_counter() - started, 4)
-        graph_modes = GRAPH_MODES if saved[0] is not None else ()  # none on CPU, or with enforce_eager
-        schedule = [mode for r in range(rounds) for mode in (graph_modes[::-1] if r % 2 else graph_modes)]
-        timings: dict[str, dict] = {}
-        for label, on, overlapped in [*schedule, EAGER_MODE]:
-            _graphs_on(engine, on, saved)
-            engine.async_scheduling = overlapped
-            engine.step()  # warm-up of this mode
-            timing = timings.setdefault(label, {"times": [], "tokens": 0, "round_medians": [],
-                                                "running_at_start": None, "preemptions": 0})
-            preemptions = engine.scheduler.num_preemptions
-            running = sum(not seq.is_finished for seq in engine.sequences.values())
-            times, tokens = _timed_steps(engine, device, steps)
-            timing["times"] += times
-            timing["tokens"] += tokens
-            timing["round_medians"].append(round(statistics.median(times), 6))
-            timing["preemptions"] += engine.scheduler.num_preemptions - preemptions
-            if timing["running_at_start"] is None:  # < batch: sequences finished before the timing
-                timing["running_at_start"] = running
-                timing["profile"] = _kernel_profile(engine, device)
-        for label, timing in timings.items():
-            times = timing["times"]
-            result[label] = {
-                **_spread(times),
-                "round_medians": timing["round_medians"],
-                "tokens_per_s": timing["tokens"] / sum(times),
-                "mean_acceptance_length": timing["tokens"] / (batch * len(times)),
-                "running_at_start": timing["running_at_start"],
-                "preemptions": timing["preemptions"],
-                **timing["profile"],
-            }
-    finally:
-        _graphs_on(engine, True, saved)
-        engine.async_scheduling = True
-        for request_id in ids:
-            if request_id in engine.sequences:
-                engine.abort(request_id)
-    return result
-
-
-@torch.inference_mode()
-def hf_case(model, batch: int, context: int, k: int, vocab: int, steps: int, seed: int) -> dict:
-    """HF eager: one decode step of B sequences after a C-token prefill, and a verify of K+1 tokens."""
-    from transformers import DynamicCache
-
-    device = model.device
-    generator = torch.Generator().manual_seed(seed)
-    prompt = torch.randint(3, vocab - 2, (batch, context), generator=generator).to(device)
-    cache = DynamicCache()
-    model(prompt, past_key_values=cache, use_cache=True, logits_to_keep=1)
-    decode, verify = [], []
-    token = torch.randint(3, vocab - 2, (batch, 1), generator=generator).to(device)
-    block = torch.randint(3, vocab - 2, (batch, k + 1), generator=generator).to(device)
-    for _ in range(steps + 1):  # the first of each is a warm-up; the cache is cropped back each time
-        for ids, times in ((token, decode), (block, verify)):
-            _sync(device)
-            started = time.perf_counter()
-            model(ids, past_key_values=cache, use_cache=True)
-            _sync(device)
-            times.append(time.perf_counter() - started)
-            cache.crop(-ids.shape[1])
-    del cache
-    return {"decode": _spread(decode[1:]), "verify": _spread(verify[1:])}
-
-
-def add_pair_arguments(parser: argparse.ArgumentParser) -> None:
-    """The flags `random_pair_for` reads: --geometry, --checkpoints, --dtype, --device, --seed."""
-    parser.add_argument("--geometry", default="qwen3-8b", choices=["qwen3-8b", "tiny"])
-    parser.add_argument(
-        "--checkpoints", default="/tmp/dflash-e2e-pair", help="where the random pair is written"
-    )
-    parser.add_argument("--dtype", default=None, help="compute dtype (default: bfloat16 on a GPU)")
-    parser.add_argument("--device", default=None)
-    parser.add_argument("--seed", type=int, default=0)
-
-
-def random_pair_for(args) -> tuple[torch.device, str, Path, Path]:
-    """The device (--device, else cuda when there is one), the dtype (--dtype, else bf16 on a GPU
-    and fp32 on CPU) and the random pair of --geometry written (once) under --checkpoints."""
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
-    started = time.perf_counter()
-    target, drafter = write_random_pair(Path(args.checkpoints), args.geometry, dtype=dtype, seed=args.seed)
-    logger.info("checkpoints ready in %.1f s", time.perf_counter() - started)
-    return device, dtype, target, drafter
 
 
 def _fits(batch: int, context: int, steps: int, rounds: int, k: int, limits) -> bool:
@@ -314,7 +94,7 @@ def main(argv: list[str] | None = None) -> None:
             ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
         ).stdout.strip(),
         "command": "python -m bench.bench_e2e_step " + " ".join(argv or sys.argv[1:]),
-        "device": _device_name(device),
+        "device": device_name(device),
         "torch": torch.__version__,
         "geometry": args.geometry,
         "dtype": dtype,
@@ -402,12 +182,6 @@ def main(argv: list[str] | None = None) -> None:
         del model
     _save(result, out, plot_too=True)
     print((out / f"{args.name}.md").read_text())
-
-
-def _device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return f"cpu ({torch.get_num_threads()} threads)"
 
 
 def _save(result: dict, out: Path, *, plot_too: bool) -> None:

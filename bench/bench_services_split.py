@@ -33,13 +33,9 @@ from pathlib import Path
 
 import torch
 
-from bench.bench_e2e_step import (
-    SimulatedAcceptance,
-    _device_name,
-    _timed_steps,
-    add_pair_arguments,
-    random_pair_for,
-)
+from bench.bench_e2e_checkpoints import add_pair_arguments, device_name, random_pair_for
+from bench.simulated_acceptance import SimulatedAcceptance
+from bench.step_timing import timed_steps
 from target_service.service import TargetService
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -70,7 +66,7 @@ def step_case(engine, batch: int, context: int, steps: int, seed: int, counters=
         def read_counters():
             before.update(counters() if counters else {})
 
-        times, tokens = _timed_steps(engine, device, steps, on_start=read_counters)
+        times, tokens = timed_steps(engine, device, steps, on_start=read_counters)
         after = counters() if counters else {}
     finally:
         for request_id in ids:
@@ -146,7 +142,7 @@ def main(argv: list[str] | None = None) -> None:
         "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                                  text=True).stdout.strip(),
         "command": "python -m bench.bench_services_split " + " ".join(argv or sys.argv[1:]),
-        "device": _device_name(device), "torch": torch.__version__, "geometry": args.geometry,
+        "device": device_name(device), "torch": torch.__version__, "geometry": args.geometry,
         "dtype": dtype, "context": args.context, "steps": args.steps, "rounds": args.rounds,
         "simulate_acceptance": args.simulate_acceptance, "proto_bytes_fields": proto_bytes_fields(),
         "cases": [],

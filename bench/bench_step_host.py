@@ -23,7 +23,9 @@ from pathlib import Path
 
 import torch
 
-from bench.bench_e2e_step import SimulatedAcceptance, _device_name, _sync, add_pair_arguments, random_pair_for
+from bench.bench_e2e_checkpoints import add_pair_arguments, device_name, random_pair_for
+from bench.simulated_acceptance import SimulatedAcceptance
+from bench.step_timing import sync
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PROJECT_DIRS = ("target_service", "drafter_service", "kvpool_service", "kernels", "foundation")
@@ -76,23 +78,23 @@ def main(argv: list[str] | None = None) -> None:
             engine.step()
         times = []
         for _ in range(args.steps):
-            _sync(device)
+            sync(device)
             started = time.perf_counter()
             engine.step()
-            _sync(device)
+            sync(device)
             times.append(time.perf_counter() - started)
         profile = cProfile.Profile()
-        _sync(device)
+        sync(device)
         started = time.perf_counter()
         profile.enable()
         for _ in range(args.steps):
             engine.step()
-        _sync(device)
+        sync(device)
         profile.disable()
         profiled_s = time.perf_counter() - started
     llm.close()
     lines = [f"# Host time of a step: {args.name}", "",
-             f"- device {_device_name(device)}, torch {torch.__version__}, "
+             f"- device {device_name(device)}, torch {torch.__version__}, "
              f"geometry {args.geometry} ({dtype}), "
              f"B {args.batch}, context {args.context}, K {engine.scheduler.num_speculative_tokens}, "
              f"simulated acceptance 6.5, graphs {'on' if engine.graphs is not None else 'off'}",

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from bench.bench_e2e_checkpoints import write_random_pair
-from bench.bench_e2e_step import SimulatedAcceptance, engine_case
+from bench.simulated_acceptance import SimulatedAcceptance
+from bench.step_timing import engine_case
 from target_service.llm import LLM
 
 pytestmark = pytest.mark.slow
