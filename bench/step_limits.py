@@ -33,7 +33,7 @@ def limit_configs(max_num_seqs: list[int], kv_cache_memory: list[str], *, defaul
 def limits_sweep(make_llm, case, configs: list[tuple[int, str | None]], batch_sizes: list[int],
                  context: int) -> list[dict]:
     """One row per (config, batch): `make_llm(max_num_seqs, kv_cache_memory)` starts a DFlash engine,
-    `case(llm, batch, context)` times it (bench_e2e_step.engine_case). A batch above max_num_seqs is
+    `case(llm, batch, context)` times it (bench.step_timing.engine_case). A batch above max_num_seqs is
     left out; an engine that cannot start (a pool too small for max_model_len) is recorded as such."""
     rows = []
     for max_num_seqs, memory in configs:

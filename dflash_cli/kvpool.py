@@ -19,7 +19,7 @@ from dflash_cli.main import CliError
 from foundation.byte_size import format_bytes
 from foundation.checkpoint_config import load_drafter_config, load_target_config
 from foundation.device_name import check_device_name
-from kvpool_service.spec import CONTEXT_DTYPES, PoolLayout, PoolSpec
+from kvpool_service.spec import DTYPE_NAMES, PoolLayout, PoolSpec
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ def register(subparsers) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="longest sequence (default: the target's max_position_embeddings)")
-    parser.add_argument("--context-dtype", choices=sorted(CONTEXT_DTYPES), default=None,
+    parser.add_argument("--context-dtype", choices=sorted(DTYPE_NAMES), default=None,
                         help="dtype of the draft context (default: the target's dtype)")
     parser.add_argument("--watermark", type=float, default=0.01,
                         help="fraction of blocks admission keeps free for running sequences")

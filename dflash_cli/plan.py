@@ -8,7 +8,7 @@ import json
 from dflash_cli.flags import byte_size
 from foundation.byte_size import format_bytes
 from foundation.checkpoint_config import load_drafter_config, load_target_config
-from kvpool_service.spec import CONTEXT_DTYPES, PoolPlan, PoolSpec, plan_pool
+from kvpool_service.spec import DTYPE_NAMES, PoolPlan, PoolSpec, plan_pool
 
 
 def register(subparsers) -> None:
@@ -22,7 +22,7 @@ def register(subparsers) -> None:
     parser.add_argument("--max-model-len", type=int, required=True)
     parser.add_argument("--max-num-seqs", type=int, required=True)
     parser.add_argument("--tokens-per-block", type=int, default=32)
-    parser.add_argument("--context-dtype", choices=sorted(CONTEXT_DTYPES), default=None,
+    parser.add_argument("--context-dtype", choices=sorted(DTYPE_NAMES), default=None,
                         help="dtype of the draft context (default: the target's dtype)")
     parser.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
                         help="dtype of the target's K/V pages: the target's dtype (auto) or float8 e4m3")
@@ -37,7 +37,7 @@ def run(args: argparse.Namespace) -> int:
     drafter = load_drafter_config(args.drafter)
     spec = PoolSpec.from_configs(
         target, drafter, tokens_per_block=args.tokens_per_block,
-        dtype=CONTEXT_DTYPES["fp8"] if args.kv_cache_dtype == "fp8" else None,
+        dtype="fp8" if args.kv_cache_dtype == "fp8" else None,
         context_dtype=args.context_dtype or target.dtype_name,  # an fp8 target cache leaves the context alone
     )
     plan = plan_pool(

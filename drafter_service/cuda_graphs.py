@@ -24,7 +24,7 @@ class PaddedGraphs:
     next captured size, its padding rows made harmless by `_pad`. Subclasses say what runs (`_forward`)
     and what a dummy row is (`_pad`). `capture=False` runs the padded forward eagerly (CPU tests)."""
 
-    what = "drafter"  # for the log lines
+    what: str  # for the log lines
 
     def __init__(self, worker, sizes: list[int], *, capture: bool = True):
         self.worker, self.sizes, self.capturing = worker, sorted(sizes), capture
@@ -61,7 +61,8 @@ class PaddedGraphs:
         if index == len(self.sizes):
             return False
         padded = self.sizes[index]
-        self._pad(count, padded)
+        if count < padded:
+            self._pad(count, padded)
         if self.capturing:
             self.graphs[padded].replay()
             self.replays += 1

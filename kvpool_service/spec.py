@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, PositiveInt, field_validator
 from foundation.checkpoint_config import DrafterConfig, TargetConfig, check_drafter_fits
 
 DTYPE_ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1}
-CONTEXT_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp8": "float8_e4m3fn"}
+DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp8": "float8_e4m3fn"}
 SCALE_BYTES = 4  # one fp32 scale for K and one for V per layer of an fp8 group
 
 
@@ -108,11 +108,12 @@ class PoolSpec(BaseModel):
         dtype: str | None = None,
         context_dtype: str | None = None,
     ) -> PoolSpec:
-        """Groups of a target (and drafter) checkpoint; dtypes default to the target's weights.
+        """Groups of a target (and drafter) checkpoint: the target's pages in `dtype`, the draft
+        context in `context_dtype`; each defaults to the one before it (`dtype` to the target's weights).
 
-        `context_dtype` may be a short name (bf16, fp16, fp32, fp8) or a torch dtype name.
+        Both may be a short name (bf16, fp16, fp32, fp8) or a torch dtype name.
         """
-        kv_dtype = dtype or target.dtype_name
+        kv_dtype = DTYPE_NAMES.get(dtype, dtype) if dtype else target.dtype_name
         target_group = LayerGroup(
             name="target", num_layers=target.num_hidden_layers, num_kv_heads=target.num_key_value_heads,
             head_dim=target.head_dim, dtype=kv_dtype,
@@ -123,7 +124,7 @@ class PoolSpec(BaseModel):
             draft_group = LayerGroup(
                 name="draft", num_layers=drafter.num_hidden_layers,
                 num_kv_heads=drafter.num_key_value_heads, head_dim=drafter.head_dim,
-                dtype=CONTEXT_DTYPES.get(context_dtype, context_dtype) if context_dtype else kv_dtype,
+                dtype=DTYPE_NAMES.get(context_dtype, context_dtype) if context_dtype else kv_dtype,
             )
         return cls(target=target_group, draft=draft_group, tokens_per_block=tokens_per_block)
 

@@ -19,7 +19,7 @@ from foundation.cuda_graph_sizes import capture_sizes
 from foundation.weights import resolve_dtype
 from kvpool_service.control import PoolControl
 from kvpool_service.memory import PoolHandle, PoolMemory
-from kvpool_service.spec import PoolSpec
+from kvpool_service.spec import DTYPE_NAMES, PoolSpec
 from target_service.checkpoint import load_target, open_target_checkpoint
 from target_service.cuda_graphs import GraphKey, TargetGraphs
 from target_service.engine import LLMEngine
@@ -73,7 +73,7 @@ class TargetAssembler:
     @property
     def target_cache_dtype(self) -> str:
         """The target group's page dtype: kv_dtype, or float8 e4m3 with kv_cache_dtype="fp8"."""
-        return "float8_e4m3fn" if self.args.kv_cache_dtype == "fp8" else self.kv_dtype
+        return DTYPE_NAMES["fp8"] if self.args.kv_cache_dtype == "fp8" else self.kv_dtype
 
     def pool_spec(self) -> PoolSpec:
         """Every group the pool needs for this pair (the pool drops the draft group for dense context).
