@@ -86,6 +86,8 @@ class SplitBenchTarget(TargetService):
         with SimulatedAcceptance(acceptance, seed):
             result = step_case(self.engine.engine, batch, context, steps, seed, self._flushed_stats)
         result["control_per_step"] = result.pop("counters_per_step")
+        ordering = getattr(self.channel, "ordering", None)
+        result["channel_ordering"] = type(ordering).__name__ if ordering is not None else "none"
         return result
 
     def _flushed_stats(self) -> dict:
@@ -174,6 +176,7 @@ def main(argv: list[str] | None = None) -> None:
                     "tokens_per_s_median": round(statistics.median(run["tokens_per_s"] for run in runs), 1),
                 }
             case["ray"]["control_per_step"] = rounds["ray"][-1]["control_per_step"]
+            case["ray"]["channel_ordering"] = rounds["ray"][-1]["channel_ordering"]
             case["ray_vs_inprocess"] = round(case["ray"]["tokens_per_s_median"]
                                              / case["inprocess"]["tokens_per_s_median"], 4)
             result["cases"].append(case)
@@ -193,6 +196,9 @@ def _markdown(result: dict) -> str:
              f"{result['rounds']} rounds, simulated acceptance {result['simulate_acceptance']}; "
              f"commit {result['commit']}, {result['date']}", "",
              f"command: `{result['command']}`", "",
+             "The split's step channel orders the two processes' GPU work with "
+             f"{', '.join(sorted({c['ray']['channel_ordering'] for c in result['cases']})) or '-'} "
+             "(foundation.step_channel).", "",
              "| B | in-process ms/step (p10-p90) | split ms/step (p10-p90) | in-process tok/s | split tok/s "
              "| split / in-process | blocking RPCs/step | async RPCs/step | control bytes/step "
              "| target waits on the drafter, ms/step | drafter in handlers, ms/step |",

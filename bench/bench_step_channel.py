@@ -29,8 +29,8 @@ from foundation.step_channel import SPIN_S, StepChannel
 
 def serve_channel(handle, stop) -> None:
     channel = StepChannel.attach(handle)
-    if channel.events is not None:
-        torch.cuda.set_device(channel.events.device)
+    if channel.ordering is not None:
+        torch.cuda.set_device(channel.ordering.device)
     channel.serve_forever(lambda opcode, args: None, stop.is_set)
     channel.close()
 
@@ -59,12 +59,15 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=5000)
     parser.add_argument("--gaps-us", type=int, nargs="+", default=[0, 2000],
                         help="idle time before each call (0: back to back)")
-    parser.add_argument("--device", default="cpu", help="cuda: the channel carries its CUDA IPC events")
+    parser.add_argument("--device", default="cpu", help="cuda: the channel carries its GPU ordering")
+    parser.add_argument("--ordering", default="auto", choices=["auto", "flags", "events"],
+                        help="the GPU ordering on cuda: stream flags or CUDA IPC events")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
 
     context = mp.get_context("spawn")
-    channel, stop = StepChannel.create(device=args.device), context.Event()
+    channel, stop = StepChannel.create(device=args.device, ordering=args.ordering), context.Event()
+    ordering = type(channel.ordering).__name__
     server = context.Process(target=serve_channel, args=(channel.export(), stop), daemon=True)
     near, far = context.Pipe()
     echo = context.Process(target=serve_pipe, args=(far,), daemon=True)
@@ -96,8 +99,9 @@ def main() -> int:
                             cwd=Path(__file__).parent).stdout.strip() or "unknown"
     report = "\n".join([
         "# Step channel: one no-op call between two processes", "",
-        (f"- device: {torch.cuda.get_device_name()}: each call records and waits on the CUDA IPC events"
-         if torch.device(args.device).type == "cuda" else "- device: CPU only (no CUDA events in this run)"),
+        (f"- device: {torch.cuda.get_device_name()}: each call marks and waits on the GPU ordering "
+         f"({ordering})" if torch.device(args.device).type == "cuda"
+         else "- device: CPU only (no GPU ordering in this run)"),
         f"- machine: {machine()}",
         f"- command: `python -m bench.bench_step_channel {' '.join(sys.argv[1:])}`",
         f"- commit: {commit}", f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}",

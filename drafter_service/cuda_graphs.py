@@ -37,6 +37,11 @@ class PaddedGraphs:
         results, more host time), with a warning that says why."""
         if not self.capturing or not self.sizes:
             return self
+        device = self.worker.buffers.taps.device
+        if device.type != "cuda":  # a capture of CPU work is an empty graph: replays would do nothing
+            logger.warning("%s graphs not captured (buffers on %s); they run eagerly", self.what, device)
+            self.sizes = []
+            return self
         try:
             pool = torch.cuda.graph_pool_handle()
             for size in reversed(self.sizes):

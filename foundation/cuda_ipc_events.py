@@ -58,7 +58,9 @@ class IpcEventPairHandle:
 
 
 class IpcEventPair:
-    """The caller's `create()`d pair or the server's `attach()`ed copy; each side calls its two verbs."""
+    """The caller's `create()`d pair or the server's `attach()`ed copy; each side calls its two verbs.
+    They take the channel call's sequence number as `foundation.cuda_stream_flags`' verbs do, and
+    ignore it: an event's wait is for its latest record, whatever the call."""
 
     def __init__(self, device: torch.device, inputs_ready: torch.cuda.Event, outputs_ready: torch.cuda.Event):
         self.device = device
@@ -97,20 +99,20 @@ class IpcEventPair:
 
     # ---- the caller's side -----------------------------------------------------------------------
 
-    def inputs_written(self) -> None:
+    def inputs_written(self, seq: int = 0) -> None:
         """Mark the end of the inputs' writes on this process's current stream (before the request)."""
         self.inputs_ready.record(torch.cuda.current_stream(self.device))
 
-    def wait_outputs(self) -> None:
+    def wait_outputs(self, seq: int = 0) -> None:
         """Make this process's current stream wait for the server's outputs (after the answer)."""
         torch.cuda.current_stream(self.device).wait_event(self.outputs_ready)
 
     # ---- the server's side -----------------------------------------------------------------------
 
-    def wait_inputs(self) -> None:
+    def wait_inputs(self, seq: int = 0) -> None:
         """Make this process's current stream wait for the caller's inputs (before the handler)."""
         torch.cuda.current_stream(self.device).wait_event(self.inputs_ready)
 
-    def outputs_written(self) -> None:
+    def outputs_written(self, seq: int = 0) -> None:
         """Mark the end of the handler's work on this process's current stream (before the answer)."""
         self.outputs_ready.record(torch.cuda.current_stream(self.device))

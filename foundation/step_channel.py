@@ -43,10 +43,14 @@ yields the CPU at each poll (`sched_yield`): on two busy cores a caller spinning
 server it had just woken off the cores, ~125 us per wake instead of ~25. The futex wait times out
 every CHECK_INTERVAL_S so the liveness and stop checks still run.
 
-GPU ordering: when the step buffers are CUDA memory, `create(device="cuda")` adds an
-`IpcEventPair` (`foundation.cuda_ipc_events`): the caller records "inputs ready" on its current
-stream before signalling, the server's current stream waits on it before the handler and records
-"outputs ready" after it, the caller's current stream waits on that after the answer. No host sync.
+GPU ordering: when the step buffers are CUDA memory, `create(device="cuda")` adds an ordering
+object with four verbs: the caller marks "inputs ready" on its current stream before signalling,
+the server's current stream waits for it before the handler and marks "outputs ready" after it,
+the caller's current stream waits for that after the answer. No host sync. Two mechanisms
+(`ordering=`): "flags", stream memory operations on two words both processes map
+(`foundation.cuda_stream_flags`), and "events", a pair of CUDA IPC events
+(`foundation.cuda_ipc_events`); "auto" (the default) takes flags where the driver offers them.
+The environment variable DFLASH_CHANNEL_ORDERING overrides "auto" (to compare the two in a benchmark).
 """
 
 from __future__ import annotations
@@ -64,6 +68,7 @@ import torch
 
 from foundation import futex
 from foundation.cuda_ipc_events import IpcEventPair, IpcEventPairHandle
+from foundation.cuda_stream_flags import StreamFlagPair, StreamFlagPairHandle, supported
 from foundation.liveness_locks import owner_alive, peer_alive, take_peer_lock
 from foundation.shm import SHM_DIR, OwnedFile, map_file
 
@@ -84,6 +89,7 @@ STATUS_OK, STATUS_ERROR = 0, 1
 SPIN_S = 100e-6  # poll a word this long (yielding the CPU each time) before blocking on its futex
 CHECK_INTERVAL_S = 2e-3  # how often a waiter checks its peer's lock (and a server should_stop)
 _INT64 = (-(2**63), 2**63 - 1)
+ORDERINGS = ("auto", "flags", "events")
 
 Handler = Callable[[int, tuple[int, ...]], "int | None"]  # (opcode, args) -> result
 
@@ -102,20 +108,20 @@ class RemoteError(RuntimeError):
 
 @dataclass(frozen=True)
 class StepChannelHandle:
-    """What a server needs to attach: the file, its size, and the CUDA events' handles (GPU only)."""
+    """What a server needs to attach: the file, its size, and the GPU ordering's handle (GPU only)."""
 
     path: str
     nbytes: int
-    events: IpcEventPairHandle | None = None
+    ordering: IpcEventPairHandle | StreamFlagPairHandle | None = None
 
 
 class StepChannel:
     """One end of a channel: the owner's (`create`, then `call`) or the server's (`attach`, then serve)."""
 
     def __init__(self, path: Path, buffer: torch.Tensor, fd: int, *, owned: OwnedFile | None,
-                 events: IpcEventPair | None, seq: int = 0):
+                 ordering: IpcEventPair | StreamFlagPair | None, seq: int = 0):
         self.path = path
-        self.events = events
+        self.ordering = ordering
         self._buffer = buffer  # keeps the mapping alive
         self._bytes = buffer.numpy()
         self._words = self._bytes.view(np.int64)
@@ -155,18 +161,21 @@ class StepChannel:
         if self._owned is not None:
             self._owned.remove()
         self._buffer = self._bytes = self._words = None
-        self.events = None
+        self.ordering = None
 
     # ---- the caller (owner) ----------------------------------------------------------------------
 
     @classmethod
     def create(cls, name: str | None = None, *, device: torch.device | str = "cpu",
-               shm_dir: Path | str = SHM_DIR) -> StepChannel:
-        """A new channel file `shm_dir/name`; `device` is where the step buffers live (CUDA adds events)."""
+               shm_dir: Path | str = SHM_DIR, ordering: str = "auto") -> StepChannel:
+        """A new channel file `shm_dir/name`; `device` is where the step buffers live (CUDA adds the
+        GPU ordering: `ordering` "flags", "events" or "auto", see the module docstring)."""
         _warn_if_not_x86()
         name = name or f"dflash-channel-{os.getpid()}-{os.urandom(6).hex()}"
+        if ordering not in ORDERINGS:
+            raise ValueError(f"ordering must be one of {ORDERINGS}, got {ordering!r}")
         device = torch.device(device)
-        events = IpcEventPair.create(device) if device.type == "cuda" else None
+        gpu_ordering = _create_ordering(device, ordering) if device.type == "cuda" else None
         owned = OwnedFile.create(Path(shm_dir), name, NBYTES)
         try:
             buffer = owned.map()
@@ -177,12 +186,12 @@ class StepChannel:
         words = buffer.numpy().view(np.int64)
         words[_CALLER_PID] = os.getpid()
         words[_MAGIC] = MAGIC
-        return cls(owned.path, buffer, fd, owned=owned, events=events)
+        return cls(owned.path, buffer, fd, owned=owned, ordering=gpu_ordering)
 
     def export(self) -> StepChannelHandle:
         if self._owned is None:
             raise RuntimeError("only the channel's owner exports it; pass on the handle you attached with")
-        return StepChannelHandle(str(self.path), NBYTES, self.events.export() if self.events else None)
+        return StepChannelHandle(str(self.path), NBYTES, self.ordering.export() if self.ordering else None)
 
     def wait_for_server(self, timeout_s: float, *, after_epoch: int = 0) -> int:
         """Wait until a live server with epoch > after_epoch is attached; return its epoch.
@@ -243,8 +252,8 @@ class StepChannel:
         words[_OPCODE] = opcode
         words[_NUM_ARGS] = len(args)
         words[_ARGS:_ARGS + len(args)] = args
-        if self.events is not None:
-            self.events.inputs_written()
+        if self.ordering is not None:
+            self.ordering.inputs_written(seq)
         words[_REQUEST_SEQ] = seq  # last: publishes the request
         futex.wake(self._address + 8 * _REQUEST_SEQ)
         return seq, epoch, opcode, timeout_s
@@ -260,11 +269,15 @@ class StepChannel:
         started = time.perf_counter()
         try:
             self._wait_answer(seq, epoch, opcode, timeout_s)
+        except PeerGone:
+            if isinstance(self.ordering, StreamFlagPair):
+                self.ordering.release(seq)  # the dead server may owe a mark a waiting stream holds for
+            raise
         finally:
             self.wait_s += time.perf_counter() - started
         status, result = int(words[_STATUS]), int(words[_RESULT])
-        if self.events is not None:
-            self.events.wait_outputs()  # also after an error: the server recorded it either way
+        if self.ordering is not None:
+            self.ordering.wait_outputs(seq)  # also after an error: the server marked it either way
         if status != STATUS_OK:
             raise RemoteError(f"step channel server pid {self.server_pid}, opcode {opcode}: "
                               f"{self._message()}")
@@ -326,7 +339,7 @@ class StepChannel:
             if not take_peer_lock(fd):
                 raise RuntimeError(f"step channel {path} already has a live server (pid "
                                    f"{int(words[_SERVER_PID])}); close it before attaching another")
-            events = IpcEventPair.attach(handle.events) if handle.events is not None else None
+            gpu_ordering = _attach_ordering(handle.ordering)
         except BaseException:
             os.close(fd)
             raise
@@ -334,7 +347,7 @@ class StepChannel:
         seen = int(words[_REQUEST_SEQ])
         words[_SERVER_PID] = os.getpid()
         words[_EPOCH] = int(words[_EPOCH]) + 1  # last: callers stamp new requests with this epoch
-        channel = cls(path, buffer, fd, owned=None, events=events, seq=seen)
+        channel = cls(path, buffer, fd, owned=None, ordering=gpu_ordering, seq=seen)
         logger.info("attached to step channel %s as server pid %d, epoch %d", path, os.getpid(),
                     channel._epoch)
         return channel
@@ -396,8 +409,8 @@ class StepChannel:
 
     def _answer(self, handler: Handler, seq: int, opcode: int, args: tuple[int, ...]) -> None:
         started = time.perf_counter_ns()
-        if self.events is not None:
-            self.events.wait_inputs()
+        if self.ordering is not None:
+            self.ordering.wait_inputs(seq)
         status, result, message = STATUS_OK, 0, b""
         try:
             value = handler(opcode, args)
@@ -408,8 +421,8 @@ class StepChannel:
             logger.exception("step channel handler failed on opcode %d, args %s", opcode, args)
             status, result = STATUS_ERROR, 0
             message = _truncate_utf8(f"{type(error).__name__}: {error}", MESSAGE_BYTES)
-        if self.events is not None:
-            self.events.outputs_written()
+        if self.ordering is not None:
+            self.ordering.outputs_written(seq)
         words = self._words
         words[_HANDLER_NS] += time.perf_counter_ns() - started  # only the server writes it
         self._bytes[_HEADER_BYTES:_HEADER_BYTES + len(message)] = np.frombuffer(message, dtype=np.uint8)
@@ -418,6 +431,29 @@ class StepChannel:
         words[_STATUS] = status
         words[_RESPONSE_SEQ] = seq  # last: publishes the answer
         futex.wake(self._address + 8 * _RESPONSE_SEQ)
+
+
+def _create_ordering(device: torch.device, ordering: str) -> IpcEventPair | StreamFlagPair:
+    """The GPU ordering `ordering` names on `device` ("auto": the environment's choice, else flags
+    where the driver offers stream memory operations, else events)."""
+    if ordering == "auto":
+        ordering = os.environ.get("DFLASH_CHANNEL_ORDERING", "auto")
+        if ordering not in ORDERINGS:
+            raise ValueError(f"DFLASH_CHANNEL_ORDERING must be one of {ORDERINGS}, got {ordering!r}")
+    if ordering == "auto":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        ordering = "flags" if supported(index) else "events"
+    pair = StreamFlagPair.create(device) if ordering == "flags" else IpcEventPair.create(device)
+    logger.info("step channel GPU ordering: %s", ordering)
+    return pair
+
+
+def _attach_ordering(handle) -> IpcEventPair | StreamFlagPair | None:
+    if handle is None:
+        return None
+    if isinstance(handle, StreamFlagPairHandle):
+        return StreamFlagPair.attach(handle)
+    return IpcEventPair.attach(handle)
 
 
 def _open_channel_file(path: Path, nbytes: int) -> tuple[torch.Tensor, int]:

@@ -76,8 +76,8 @@ def _serve(channel_handle, buffer_handle, stop) -> None:
 class Served:
     """The caller's channel, the shared buffer, and the server processes started on it (newest last)."""
 
-    def __init__(self, device: str = "cpu"):
-        self.channel = StepChannel.create(device=device)
+    def __init__(self, device: str = "cpu", ordering: str = "auto"):
+        self.channel = StepChannel.create(device=device, ordering=ordering)
         name = f"dflash-step-test-{os.getpid()}-{os.urandom(4).hex()}"
         self.buffer = OwnedBuffer.allocate(2 * N * 8, device, share=True, file_name=name, sweep_stale=False)
         data = self.buffer.tensor.view(torch.int64)
@@ -250,7 +250,7 @@ def test_without_a_server_a_call_is_peer_gone_at_once_and_waiting_times_out():
 def test_one_live_server_at_a_time_and_each_attach_bumps_the_epoch():
     channel = StepChannel.create()
     handle = pickle.loads(pickle.dumps(channel.export()))
-    assert handle == channel.export() and handle.events is None and handle.nbytes == NBYTES
+    assert handle == channel.export() and handle.ordering is None and handle.nbytes == NBYTES
     first = StepChannel.attach(handle)
     try:
         with pytest.raises(RuntimeError, match=f"already has a live server \\(pid {os.getpid()}\\)"):
@@ -314,12 +314,15 @@ def test_calls_refuse_what_the_words_cannot_carry():
 
 @pytest.mark.gpu
 @pytest.mark.slow
-def test_cuda_events_order_the_callers_writes_before_the_servers_kernels_and_back():
+@pytest.mark.parametrize("ordering", ["flags", "events"])
+def test_the_gpu_ordering_orders_the_callers_writes_before_the_servers_kernels_and_back(ordering):
     """Both sides queue their writes behind a GPU sleep and never synchronise the host: only the
-    IPC events can make the server read this step's x and this process read this step's y."""
-    served = Served("cuda")
+    channel's GPU ordering (stream flags or IPC events) can make the server read this step's x and
+    this process read this step's y."""
+    served = Served("cuda", ordering)
     try:
-        assert served.channel.export().events is not None
+        assert type(served.channel.ordering).__name__ == {"flags": "StreamFlagPair",
+                                                          "events": "IpcEventPair"}[ordering]
         served.start_server()
         for _ in range(10):
             n, a, b = int(torch.randint(1, N + 1, ())), *torch.randint(-1000, 1000, (2,)).tolist()
@@ -330,3 +333,9 @@ def test_cuda_events_order_the_callers_writes_before_the_servers_kernels_and_bac
             assert torch.equal(served.y[:n].cpu(), (x * a + b).cpu())  # this stream waits on the server
     finally:
         served.close()
+
+
+def test_an_unknown_gpu_ordering_is_refused_with_the_choices():
+    choices = r"\('auto', 'flags', 'events'\)"
+    with pytest.raises(ValueError, match=rf"ordering must be one of {choices}, got 'fences'"):
+        StepChannel.create(ordering="fences")

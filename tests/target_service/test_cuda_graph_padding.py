@@ -97,7 +97,7 @@ def test_a_padded_context_store_writes_exactly_what_the_unpadded_one_writes(tmp_
     assert all(torch.equal(page, want) for page, want in zip(pages, expected))
     assert buffers.context_slots[num_rows:padded].tolist() == [-1] * (padded - num_rows)
     assert not ContextGraphs(worker, [8, 16], capture=False).run(num_rows)  # none large enough: eager
-    refused = ContextGraphs(worker, [8, 16, padded], capture=True).capture()  # no CUDA here: refused
+    refused = ContextGraphs(worker, [8, 16, padded], capture=True).capture()  # CPU buffers: refused
     assert refused.sizes == [] and not refused.run(num_rows)  # so the store runs eagerly
     pool.close()
 
