@@ -15,9 +15,11 @@ Why the sequence number: a word only grows, so a wait enqueued for call s passes
 any later one has been marked; an abandoned call (the caller timed out and sent a newer one) can
 never leave a stream waiting for a mark that will not come.
 
-A server that dies between queueing its mark and the GPU running it leaves the caller's stream
-waiting on a word nobody will write. The caller calls `release(seq)` when it learns its peer is
-gone: a side stream writes the word, so the waiting stream goes on.
+A server that dies between queueing its mark and the GPU running it could leave the caller's stream
+waiting on a word nobody will write; the caller calls `release(seq)` when it learns its peer is
+gone (a side stream writes the word, so the waiting stream goes on). On the H200 a SIGKILLed
+server's queued mark still landed, `release` disabled or not (bench/results/services_split_notes.md),
+so this covers drivers that drop a dead context's queued work.
 
 The driver entry points come from libcuda by ctypes (torch does not wrap them). `supported()`
 says whether this process can use them; the step channel falls back to the events where not.

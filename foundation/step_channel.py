@@ -270,8 +270,9 @@ class StepChannel:
         try:
             self._wait_answer(seq, epoch, opcode, timeout_s)
         except PeerGone:
-            if isinstance(self.ordering, StreamFlagPair):
-                self.ordering.release(seq)  # the dead server may owe a mark a waiting stream holds for
+            release = getattr(self.ordering, "release", None)  # the flags have one; events need none
+            if release is not None:
+                release(seq)  # the dead server may owe a mark a waiting stream holds for
             raise
         finally:
             self.wait_s += time.perf_counter() - started

@@ -335,6 +335,43 @@ def test_the_gpu_ordering_orders_the_callers_writes_before_the_servers_kernels_a
         served.close()
 
 
+class RecordedOrdering:
+    """Stands in for the GPU ordering on the caller's side and records what the channel asks of it."""
+
+    def __init__(self):
+        self.calls = []
+
+    def inputs_written(self, seq):
+        self.calls.append(("inputs_written", seq))
+
+    def wait_outputs(self, seq):
+        self.calls.append(("wait_outputs", seq))
+
+    def release(self, seq):
+        self.calls.append(("release", seq))
+
+
+@pytest.mark.slow
+def test_the_caller_marks_and_waits_with_each_calls_seq_and_releases_a_dead_servers_call(served):
+    """The seq the ordering gets is the call's own (the flags compare it), answered calls are waited
+    on, and a call the server died on is released (its mark may never come)."""
+    channel, recorded = served.channel, RecordedOrdering()
+    channel.ordering = recorded  # the server attached without one: only the caller's side is recorded
+    calls = int(torch.randint(2, 6, ()))
+    for _ in range(calls):
+        channel.call(ADD, 1)
+    first = recorded.calls[0][1]
+    assert recorded.calls == [(verb, first + i) for i in range(calls)
+                              for verb in ("inputs_written", "wait_outputs")]
+    recorded.calls.clear()
+    os.kill(served.processes[0].pid, signal.SIGKILL)
+    served.processes[0].join(30)
+    with pytest.raises(PeerGone):
+        channel.call(ADD, 1)
+    assert recorded.calls == [("inputs_written", first + calls), ("release", first + calls)]
+    channel.ordering = None
+
+
 def test_an_unknown_gpu_ordering_is_refused_with_the_choices():
     choices = r"\('auto', 'flags', 'events'\)"
     with pytest.raises(ValueError, match=rf"ordering must be one of {choices}, got 'fences'"):
