@@ -51,6 +51,15 @@ def local_device_index(uuid: str) -> int:
     )
 
 
+def indexed_cuda_device(device: torch.device | str, what: str) -> torch.device:
+    """`device` as cuda:<index> (a bare "cuda" is the current device); ValueError naming `what` when
+    it is not a CUDA device."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        raise ValueError(f"{what} live on a CUDA device, got {str(device)!r}")
+    return torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
+
+
 def export_buffer(buffer: torch.Tensor) -> CudaIpcHandle:
     """Handle to `buffer` (a CUDA tensor the caller keeps alive while others are attached)."""
     if buffer.device.type != "cuda":

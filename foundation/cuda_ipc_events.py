@@ -45,7 +45,7 @@ from dataclasses import dataclass
 
 import torch
 
-from foundation.cuda_ipc import gpu_uuid, local_device_index
+from foundation.cuda_ipc import gpu_uuid, indexed_cuda_device, local_device_index
 
 
 @dataclass(frozen=True)
@@ -70,11 +70,7 @@ class IpcEventPair:
     @classmethod
     def create(cls, device: torch.device | str) -> IpcEventPair:
         """Two interprocess events on `device` (a CUDA device); timing is off, as IPC events require."""
-        device = torch.device(device)
-        if device.type != "cuda":
-            raise ValueError(f"CUDA IPC events live on a CUDA device, got {str(device)!r}")
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        device = torch.device("cuda", index)
+        device = indexed_cuda_device(device, "CUDA IPC events")
         with torch.cuda.device(device):
             events = [torch.cuda.Event(enable_timing=False, blocking=False, interprocess=True)
                       for _ in range(2)]

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from foundation.cuda_ipc import CudaIpcHandle, attach_buffer, export_buffer
+from foundation.cuda_ipc import CudaIpcHandle, attach_buffer, export_buffer, indexed_cuda_device
 
 logger = logging.getLogger(__name__)
 
@@ -125,13 +125,9 @@ class StreamFlagPair:
 
     @classmethod
     def create(cls, device: torch.device | str) -> StreamFlagPair:
-        device = torch.device(device)
-        if device.type != "cuda":
-            raise ValueError(f"stream flags live on a CUDA device, got {str(device)!r}")
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        if not supported(index):
-            raise RuntimeError(f"stream memory operations are not available on cuda:{index}")
-        device = torch.device("cuda", index)
+        device = indexed_cuda_device(device, "stream flags")
+        if not supported(device.index):
+            raise RuntimeError(f"stream memory operations are not available on {device}")
         return cls(device, torch.zeros(_WORDS, dtype=torch.int32, device=device))
 
     def export(self) -> StreamFlagPairHandle:

@@ -67,6 +67,7 @@ import numpy as np
 import torch
 
 from foundation import futex
+from foundation.cuda_ipc import indexed_cuda_device
 from foundation.cuda_ipc_events import IpcEventPair, IpcEventPairHandle
 from foundation.cuda_stream_flags import StreamFlagPair, StreamFlagPairHandle, supported
 from foundation.liveness_locks import owner_alive, peer_alive, take_peer_lock
@@ -442,8 +443,7 @@ def _create_ordering(device: torch.device, ordering: str) -> IpcEventPair | Stre
         if ordering not in ORDERINGS:
             raise ValueError(f"DFLASH_CHANNEL_ORDERING must be one of {ORDERINGS}, got {ordering!r}")
     if ordering == "auto":
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        ordering = "flags" if supported(index) else "events"
+        ordering = "flags" if supported(indexed_cuda_device(device, "step buffers").index) else "events"
     pair = StreamFlagPair.create(device) if ordering == "flags" else IpcEventPair.create(device)
     logger.info("step channel GPU ordering: %s", ordering)
     return pair

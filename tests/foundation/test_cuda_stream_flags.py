@@ -1,5 +1,6 @@
-"""StreamFlagPair in one process: a stream waiting for a mark holds its later work until the mark,
-an older mark does not pass it, and `release` frees a stream whose mark will never come.
+"""StreamFlagPair in one process (GPU): a stream waiting for a mark holds its later work until the
+mark, an older mark does not pass it, and `release` frees a stream whose mark will never come; on
+any machine, both orderings refuse what is not theirs in one line.
 
 (Across processes the step channel's GPU test covers it: tests/foundation/test_step_channel.py.)
 """
@@ -10,9 +11,8 @@ import time
 import pytest
 import torch
 
+from foundation.cuda_ipc_events import IpcEventPair
 from foundation.cuda_stream_flags import StreamFlagPair
-
-pytestmark = pytest.mark.gpu
 
 
 def _held(stream: torch.cuda.Stream, seconds: float = 0.05) -> bool:
@@ -25,6 +25,7 @@ def _held(stream: torch.cuda.Stream, seconds: float = 0.05) -> bool:
     return True
 
 
+@pytest.mark.gpu
 def test_a_wait_holds_until_the_mark_of_its_call_or_a_later_one():
     pair = StreamFlagPair.create("cuda")
     seq = random.randrange(1, 2**31)
@@ -43,6 +44,7 @@ def test_a_wait_holds_until_the_mark_of_its_call_or_a_later_one():
     assert out.item() == 1.0
 
 
+@pytest.mark.gpu
 def test_release_frees_a_stream_whose_server_never_marks():
     pair = StreamFlagPair.create("cuda")
     seq = random.randrange(1, 2**31)
@@ -54,6 +56,7 @@ def test_release_frees_a_stream_whose_server_never_marks():
     waiter.synchronize()  # returns: the side stream wrote the word
 
 
+@pytest.mark.gpu
 def test_marks_wrap_past_two_to_the_32():
     pair = StreamFlagPair.create("cuda")
     waiter, marker = torch.cuda.Stream(), torch.cuda.Stream()
@@ -66,3 +69,14 @@ def test_marks_wrap_past_two_to_the_32():
     with torch.cuda.stream(marker):
         pair.inputs_written(2**32 + 3)
     waiter.synchronize()
+
+
+@pytest.mark.parametrize("pair, what", [(StreamFlagPair, "stream flags"), (IpcEventPair, "CUDA IPC events")])
+def test_either_ordering_refuses_a_cpu_device_by_name(pair, what):
+    with pytest.raises(ValueError, match=f"^{what} live on a CUDA device, got 'cpu'$"):
+        pair.create("cpu")
+
+
+def test_attaching_flags_wants_their_handle():
+    with pytest.raises(TypeError, match="handle must be a StreamFlagPairHandle, got str"):
+        StreamFlagPair.attach("not a handle")
