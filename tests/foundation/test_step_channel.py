@@ -324,15 +324,39 @@ def test_the_gpu_ordering_orders_the_callers_writes_before_the_servers_kernels_a
         assert type(served.channel.ordering).__name__ == {"flags": "StreamFlagPair",
                                                           "events": "IpcEventPair"}[ordering]
         served.start_server()
-        for _ in range(10):
-            n, a, b = int(torch.randint(1, N + 1, ())), *torch.randint(-1000, 1000, (2,)).tolist()
-            x = torch.randint(-10**6, 10**6, (n,), device="cuda")
-            torch.cuda._sleep(GPU_SLEEP_CYCLES)
-            served.x[:n].copy_(x)  # queued behind the sleep on this stream
-            assert served.channel.call(AFFINE_LATE, n, a, b) == 0
-            assert torch.equal(served.y[:n].cpu(), (x * a + b).cpu())  # this stream waits on the server
+        _affine_late_calls(served, 10)
     finally:
         served.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.parametrize("ordering", ["flags", "events"])
+def test_a_successor_server_keeps_the_gpu_ordering_after_the_first_is_killed(ordering):
+    """The successor opens the caller's flags (or events) afresh and the calls' seqs go on from where
+    the dead server left them: its GPU work is still ordered both ways."""
+    served = Served("cuda", ordering)
+    try:
+        first = served.start_server()
+        _affine_late_calls(served, 3)
+        os.kill(first.pid, signal.SIGKILL)
+        first.join(30)
+        with pytest.raises(PeerGone):
+            served.channel.call(ADD)
+        served.start_server(after_epoch=1)
+        _affine_late_calls(served, 10)
+    finally:
+        served.close()
+
+
+def _affine_late_calls(served: Served, calls: int) -> None:
+    for _ in range(calls):
+        n, a, b = int(torch.randint(1, N + 1, ())), *torch.randint(-1000, 1000, (2,)).tolist()
+        x = torch.randint(-10**6, 10**6, (n,), device="cuda")
+        torch.cuda._sleep(GPU_SLEEP_CYCLES)
+        served.x[:n].copy_(x)  # queued behind the sleep on this stream
+        assert served.channel.call(AFFINE_LATE, n, a, b) == 0
+        assert torch.equal(served.y[:n].cpu(), (x * a + b).cpu())  # this stream waits on the server
 
 
 class RecordedOrdering:
