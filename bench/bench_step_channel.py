@@ -5,7 +5,8 @@ back to back (the server is still spinning from the last one) and after an idle 
 has stopped spinning and blocks on its futex, as between a step's two calls while the target's
 forward runs). Beside it: the same no-op over a multiprocessing Pipe (what the service-seam test
 uses, and about the floor of any socket-based RPC in Python). `--device cuda` adds the channel's
-CUDA IPC events (a record and a stream wait on each side per call, no GPU work between).
+GPU ordering, `--ordering flags` or `events` (a mark and a stream wait on each side per call, no GPU
+work between; `foundation.gpu_ordering`).
 
     .venv/bin/python -m bench.bench_step_channel --out bench/results/step_channel_cpu.md
 """

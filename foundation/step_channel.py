@@ -46,11 +46,8 @@ every CHECK_INTERVAL_S so the liveness and stop checks still run.
 GPU ordering: when the step buffers are CUDA memory, `create(device="cuda")` adds an ordering
 object with four verbs: the caller marks "inputs ready" on its current stream before signalling,
 the server's current stream waits for it before the handler and marks "outputs ready" after it,
-the caller's current stream waits for that after the answer. No host sync. Two mechanisms
-(`ordering=`): "flags", stream memory operations on two words both processes map
-(`foundation.cuda_stream_flags`), and "events", a pair of CUDA IPC events
-(`foundation.cuda_ipc_events`); "auto" (the default) takes flags where the driver offers them.
-The environment variable DFLASH_CHANNEL_ORDERING overrides "auto" (to compare the two in a benchmark).
+the caller's current stream waits for that after the answer. No host sync. Which mechanism
+(`ordering=`: stream flags, IPC events or "auto") is `foundation.gpu_ordering`'s choice.
 """
 
 from __future__ import annotations
@@ -67,9 +64,13 @@ import numpy as np
 import torch
 
 from foundation import futex
-from foundation.cuda_ipc import indexed_cuda_device
-from foundation.cuda_ipc_events import IpcEventPair, IpcEventPairHandle
-from foundation.cuda_stream_flags import StreamFlagPair, StreamFlagPairHandle, supported
+from foundation.gpu_ordering import (
+    GpuOrdering,
+    GpuOrderingHandle,
+    attach_ordering,
+    check_ordering,
+    create_ordering,
+)
 from foundation.liveness_locks import owner_alive, peer_alive, take_peer_lock
 from foundation.shm import SHM_DIR, OwnedFile, map_file
 
@@ -90,7 +91,6 @@ STATUS_OK, STATUS_ERROR = 0, 1
 SPIN_S = 100e-6  # poll a word this long (yielding the CPU each time) before blocking on its futex
 CHECK_INTERVAL_S = 2e-3  # how often a waiter checks its peer's lock (and a server should_stop)
 _INT64 = (-(2**63), 2**63 - 1)
-ORDERINGS = ("auto", "flags", "events")
 
 Handler = Callable[[int, tuple[int, ...]], "int | None"]  # (opcode, args) -> result
 
@@ -113,14 +113,14 @@ class StepChannelHandle:
 
     path: str
     nbytes: int
-    ordering: IpcEventPairHandle | StreamFlagPairHandle | None = None
+    ordering: GpuOrderingHandle | None = None
 
 
 class StepChannel:
     """One end of a channel: the owner's (`create`, then `call`) or the server's (`attach`, then serve)."""
 
     def __init__(self, path: Path, buffer: torch.Tensor, fd: int, *, owned: OwnedFile | None,
-                 ordering: IpcEventPair | StreamFlagPair | None, seq: int = 0):
+                 ordering: GpuOrdering | None, seq: int = 0):
         self.path = path
         self.ordering = ordering
         self._buffer = buffer  # keeps the mapping alive
@@ -173,10 +173,9 @@ class StepChannel:
         GPU ordering: `ordering` "flags", "events" or "auto", see the module docstring)."""
         _warn_if_not_x86()
         name = name or f"dflash-channel-{os.getpid()}-{os.urandom(6).hex()}"
-        if ordering not in ORDERINGS:
-            raise ValueError(f"ordering must be one of {ORDERINGS}, got {ordering!r}")
+        check_ordering(ordering)
         device = torch.device(device)
-        gpu_ordering = _create_ordering(device, ordering) if device.type == "cuda" else None
+        gpu_ordering = create_ordering(device, ordering) if device.type == "cuda" else None
         owned = OwnedFile.create(Path(shm_dir), name, NBYTES)
         try:
             buffer = owned.map()
@@ -341,7 +340,7 @@ class StepChannel:
             if not take_peer_lock(fd):
                 raise RuntimeError(f"step channel {path} already has a live server (pid "
                                    f"{int(words[_SERVER_PID])}); close it before attaching another")
-            gpu_ordering = _attach_ordering(handle.ordering)
+            gpu_ordering = attach_ordering(handle.ordering)
         except BaseException:
             os.close(fd)
             raise
@@ -433,28 +432,6 @@ class StepChannel:
         words[_STATUS] = status
         words[_RESPONSE_SEQ] = seq  # last: publishes the answer
         futex.wake(self._address + 8 * _RESPONSE_SEQ)
-
-
-def _create_ordering(device: torch.device, ordering: str) -> IpcEventPair | StreamFlagPair:
-    """The GPU ordering `ordering` names on `device` ("auto": the environment's choice, else flags
-    where the driver offers stream memory operations, else events)."""
-    if ordering == "auto":
-        ordering = os.environ.get("DFLASH_CHANNEL_ORDERING", "auto")
-        if ordering not in ORDERINGS:
-            raise ValueError(f"DFLASH_CHANNEL_ORDERING must be one of {ORDERINGS}, got {ordering!r}")
-    if ordering == "auto":
-        ordering = "flags" if supported(indexed_cuda_device(device, "step buffers").index) else "events"
-    pair = StreamFlagPair.create(device) if ordering == "flags" else IpcEventPair.create(device)
-    logger.info("step channel GPU ordering: %s", ordering)
-    return pair
-
-
-def _attach_ordering(handle) -> IpcEventPair | StreamFlagPair | None:
-    if handle is None:
-        return None
-    if isinstance(handle, StreamFlagPairHandle):
-        return StreamFlagPair.attach(handle)
-    return IpcEventPair.attach(handle)
 
 
 def _open_channel_file(path: Path, nbytes: int) -> tuple[torch.Tensor, int]:
