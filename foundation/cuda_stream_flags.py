@@ -102,6 +102,7 @@ def supported(index: int) -> bool:
         with torch.cuda.device(index):
             word = torch.zeros(1, dtype=torch.int32, device=f"cuda:{index}")
             stream = torch.cuda.Stream(index)
+            stream.wait_stream(torch.cuda.current_stream(index))  # after the zero fill
             driver.check(driver.write(stream.cuda_stream, word.data_ptr(), 7, _WRITE_DEFAULT), "write")
             driver.check(driver.wait(stream.cuda_stream, word.data_ptr(), 7, _WAIT_GEQ), "wait")
             stream.synchronize()
