@@ -2,13 +2,12 @@
 killed server is noticed promptly, its successor resumes, and bad handles fail in one line.
 
 The server runs in a spawned process (as a Ray actor would: no inherited pipe, only the pickled
-handle); its handler computes things this process checks: sums of the args, and an affine map of a
-shared buffer written here (the step buffers' pattern: data in shared memory, only counts in the call).
+handle); its handler computes things this process checks (`step_channel_servers`). The GPU
+ordering's tests are in test_step_channel_gpu_ordering.py.
 """
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import pickle
 import signal
@@ -17,8 +16,8 @@ import time
 
 import pytest
 import torch
+from step_channel_servers import ADD, AFFINE, FAIL, PID, SLEEP, SLEEP_RESULT, N
 
-from foundation.shared_buffer import OwnedBuffer, map_buffer
 from foundation.step_channel import (
     MAX_ARGS,
     MESSAGE_BYTES,
@@ -28,88 +27,6 @@ from foundation.step_channel import (
     StepChannel,
     StepChannelHandle,
 )
-
-SPAWN = multiprocessing.get_context("spawn")
-START_TIMEOUT_S = 60  # a spawned child imports torch; two cores, maybe another test worker beside
-ADD, AFFINE, FAIL, SLEEP, PID, AFFINE_LATE = 1, 2, 3, 4, 5, 6
-SLEEP_RESULT = 777
-N = 64  # int64 elements of each half of the shared buffer: x (written here), y (written by the server)
-GPU_SLEEP_CYCLES = 20_000_000  # ~10 ms at 2 GHz: far longer than a round trip on the host
-
-
-def _handler(data: torch.Tensor):
-    x, y = data[:N], data[N:]
-
-    def handle(opcode: int, args: tuple[int, ...]) -> int | None:
-        if opcode == ADD:
-            return sum(args)
-        if opcode == AFFINE:  # y[:n] = x[:n] * a + b; returns the sum as a second check
-            n, a, b = args
-            torch.add(x[:n] * a, b, out=y[:n])
-            return int(y[:n].sum())
-        if opcode == AFFINE_LATE:  # the same on a GPU, queued behind a sleep, no host sync
-            n, a, b = args
-            torch.cuda._sleep(GPU_SLEEP_CYCLES)
-            torch.add(x[:n] * a, b, out=y[:n])
-            return None
-        if opcode == FAIL:
-            raise ValueError(f"refused {args[0]} " + "é" * args[1])
-        if opcode == SLEEP:
-            time.sleep(args[0] / 1000)
-            return SLEEP_RESULT
-        if opcode == PID:
-            return os.getpid()
-        raise KeyError(opcode)
-
-    return handle
-
-
-def _serve(channel_handle, buffer_handle, stop) -> None:
-    data = map_buffer(buffer_handle).view(torch.int64)
-    if data.is_cuda:
-        torch.cuda.set_device(data.device)
-    channel = StepChannel.attach(channel_handle)
-    channel.serve_forever(_handler(data), stop.is_set)
-    channel.close()
-
-
-class Served:
-    """The caller's channel, the shared buffer, and the server processes started on it (newest last)."""
-
-    def __init__(self, device: str = "cpu", ordering: str = "auto"):
-        self.channel = StepChannel.create(device=device, ordering=ordering)
-        name = f"dflash-step-test-{os.getpid()}-{os.urandom(4).hex()}"
-        self.buffer = OwnedBuffer.allocate(2 * N * 8, device, share=True, file_name=name, sweep_stale=False)
-        data = self.buffer.tensor.view(torch.int64)
-        self.x, self.y = data[:N], data[N:]
-        self.stop = SPAWN.Event()
-        self.processes = []
-
-    def start_server(self, after_epoch: int = 0) -> multiprocessing.Process:
-        process = SPAWN.Process(target=_serve, args=(self.channel.export(), self.buffer.export(), self.stop))
-        process.start()
-        self.processes.append(process)
-        self.channel.wait_for_server(START_TIMEOUT_S, after_epoch=after_epoch)
-        return process
-
-    def close(self) -> None:
-        self.stop.set()
-        for process in self.processes:
-            process.join(10)
-            if process.is_alive():
-                process.kill()
-                process.join()
-        self.channel.close()
-        if self.buffer.file is not None:
-            self.buffer.file.remove()
-
-
-@pytest.fixture
-def served():
-    served = Served()
-    served.start_server()
-    yield served
-    served.close()
 
 
 @pytest.mark.slow
@@ -310,93 +227,3 @@ def test_calls_refuse_what_the_words_cannot_carry():
     finally:
         server.close()
         channel.close()
-
-
-@pytest.mark.gpu
-@pytest.mark.slow
-@pytest.mark.parametrize("ordering", ["flags", "events"])
-def test_the_gpu_ordering_orders_the_callers_writes_before_the_servers_kernels_and_back(ordering):
-    """Both sides queue their writes behind a GPU sleep and never synchronise the host: only the
-    channel's GPU ordering (stream flags or IPC events) can make the server read this step's x and
-    this process read this step's y."""
-    served = Served("cuda", ordering)
-    try:
-        assert type(served.channel.ordering).__name__ == {"flags": "StreamFlagPair",
-                                                          "events": "IpcEventPair"}[ordering]
-        served.start_server()
-        _affine_late_calls(served, 10)
-    finally:
-        served.close()
-
-
-@pytest.mark.gpu
-@pytest.mark.slow
-@pytest.mark.parametrize("ordering", ["flags", "events"])
-def test_a_successor_server_keeps_the_gpu_ordering_after_the_first_is_killed(ordering):
-    """The successor opens the caller's flags (or events) afresh and the calls' seqs go on from where
-    the dead server left them: its GPU work is still ordered both ways."""
-    served = Served("cuda", ordering)
-    try:
-        first = served.start_server()
-        _affine_late_calls(served, 3)
-        os.kill(first.pid, signal.SIGKILL)
-        first.join(30)
-        with pytest.raises(PeerGone):
-            served.channel.call(ADD)
-        served.start_server(after_epoch=1)
-        _affine_late_calls(served, 10)
-    finally:
-        served.close()
-
-
-def _affine_late_calls(served: Served, calls: int) -> None:
-    for _ in range(calls):
-        n, a, b = int(torch.randint(1, N + 1, ())), *torch.randint(-1000, 1000, (2,)).tolist()
-        x = torch.randint(-10**6, 10**6, (n,), device="cuda")
-        torch.cuda._sleep(GPU_SLEEP_CYCLES)
-        served.x[:n].copy_(x)  # queued behind the sleep on this stream
-        assert served.channel.call(AFFINE_LATE, n, a, b) == 0
-        assert torch.equal(served.y[:n].cpu(), (x * a + b).cpu())  # this stream waits on the server
-
-
-class RecordedOrdering:
-    """Stands in for the GPU ordering on the caller's side and records what the channel asks of it."""
-
-    def __init__(self):
-        self.calls = []
-
-    def inputs_written(self, seq):
-        self.calls.append(("inputs_written", seq))
-
-    def wait_outputs(self, seq):
-        self.calls.append(("wait_outputs", seq))
-
-    def release(self, seq):
-        self.calls.append(("release", seq))
-
-
-@pytest.mark.slow
-def test_the_caller_marks_and_waits_with_each_calls_seq_and_releases_a_dead_servers_call(served):
-    """The seq the ordering gets is the call's own (the flags compare it), answered calls are waited
-    on, and a call the server died on is released (its mark may never come)."""
-    channel, recorded = served.channel, RecordedOrdering()
-    channel.ordering = recorded  # the server attached without one: only the caller's side is recorded
-    calls = int(torch.randint(2, 6, ()))
-    for _ in range(calls):
-        channel.call(ADD, 1)
-    first = recorded.calls[0][1]
-    assert recorded.calls == [(verb, first + i) for i in range(calls)
-                              for verb in ("inputs_written", "wait_outputs")]
-    recorded.calls.clear()
-    os.kill(served.processes[0].pid, signal.SIGKILL)
-    served.processes[0].join(30)
-    with pytest.raises(PeerGone):
-        channel.call(ADD, 1)
-    assert recorded.calls == [("inputs_written", first + calls), ("release", first + calls)]
-    channel.ordering = None
-
-
-def test_an_unknown_gpu_ordering_is_refused_with_the_choices():
-    choices = r"\('auto', 'flags', 'events'\)"
-    with pytest.raises(ValueError, match=rf"ordering must be one of {choices}, got 'fences'"):
-        StepChannel.create(ordering="fences")
