@@ -25,6 +25,7 @@ import torch
 
 from bench.bench_blocks import machine, percentile, publish
 from foundation import futex
+from foundation.gpu_ordering import ORDERINGS
 from foundation.step_channel import SPIN_S, StepChannel
 
 
@@ -61,7 +62,7 @@ def main() -> int:
     parser.add_argument("--gaps-us", type=int, nargs="+", default=[0, 2000],
                         help="idle time before each call (0: back to back)")
     parser.add_argument("--device", default="cpu", help="cuda: the channel carries its GPU ordering")
-    parser.add_argument("--ordering", default="auto", choices=["auto", "flags", "events"],
+    parser.add_argument("--ordering", default="auto", choices=ORDERINGS,
                         help="the GPU ordering on cuda: stream flags or CUDA IPC events")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()

@@ -95,20 +95,20 @@ class IpcEventPair:
 
     # ---- the caller's side -----------------------------------------------------------------------
 
-    def inputs_written(self, seq: int = 0) -> None:
+    def inputs_written(self, seq: int) -> None:
         """Mark the end of the inputs' writes on this process's current stream (before the request)."""
         self.inputs_ready.record(torch.cuda.current_stream(self.device))
 
-    def wait_outputs(self, seq: int = 0) -> None:
+    def wait_outputs(self, seq: int) -> None:
         """Make this process's current stream wait for the server's outputs (after the answer)."""
         torch.cuda.current_stream(self.device).wait_event(self.outputs_ready)
 
     # ---- the server's side -----------------------------------------------------------------------
 
-    def wait_inputs(self, seq: int = 0) -> None:
+    def wait_inputs(self, seq: int) -> None:
         """Make this process's current stream wait for the caller's inputs (before the handler)."""
         torch.cuda.current_stream(self.device).wait_event(self.inputs_ready)
 
-    def outputs_written(self, seq: int = 0) -> None:
+    def outputs_written(self, seq: int) -> None:
         """Mark the end of the handler's work on this process's current stream (before the answer)."""
         self.outputs_ready.record(torch.cuda.current_stream(self.device))

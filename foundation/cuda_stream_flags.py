@@ -30,6 +30,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -57,6 +58,7 @@ class _Driver:
 
     def __init__(self, lib: ctypes.CDLL):
         self.lib = lib
+        self._bound = threading.local()
         self.write = self._entry("cuStreamWriteValue32")
         self.wait = self._entry("cuStreamWaitValue32")
 
@@ -68,11 +70,15 @@ class _Driver:
 
     def bind_context(self, device: torch.device) -> None:
         """The driver calls act on the calling thread's current context: a thread that has not yet
-        made a CUDA runtime call has none, so make one (the runtime binds the primary context)."""
+        made a CUDA runtime call has none, so make one (the runtime binds the primary context).
+        Checked once per thread: the step's calls come from one or two threads, again and again."""
+        if getattr(self._bound, "done", False):
+            return
         context = ctypes.c_void_p()
         self.check(self.lib.cuCtxGetCurrent(ctypes.byref(context)), "cuCtxGetCurrent")
         if not context.value:
             torch.cuda.synchronize(device)
+        self._bound.done = True
 
     def check(self, result: int, what: str) -> None:
         if result != 0:
@@ -147,38 +153,36 @@ class StreamFlagPair:
 
     def inputs_written(self, seq: int) -> None:
         """Mark call `seq`'s inputs written, once this process's current stream gets there."""
-        self._write(self._inputs, seq, "marking the inputs written")
+        self._enqueue(self._driver.write, self._inputs, seq, _WRITE_DEFAULT, "marking the inputs written")
 
     def wait_outputs(self, seq: int) -> None:
         """Make this process's current stream wait until the server marked call `seq` (or a later one)."""
-        self._wait(self._outputs, seq, "waiting for the outputs")
+        self._enqueue(self._driver.wait, self._outputs, seq, _WAIT_GEQ, "waiting for the outputs")
 
     def release(self, seq: int) -> None:
         """The server is gone: mark call `seq`'s outputs from a side stream, so that a wait the dead
         server will never satisfy does not hold this process's stream forever."""
         if self._side_stream is None:
             self._side_stream = torch.cuda.Stream(self.device)
-        self._write(self._outputs, seq, "releasing the outputs", self._side_stream)
+        self._enqueue(self._driver.write, self._outputs, seq, _WRITE_DEFAULT, "releasing the outputs",
+                      self._side_stream)
 
     # ---- the server's side -----------------------------------------------------------------------
 
     def wait_inputs(self, seq: int) -> None:
         """Make this process's current stream wait until the caller marked call `seq`'s inputs."""
-        self._wait(self._inputs, seq, "waiting for the inputs")
+        self._enqueue(self._driver.wait, self._inputs, seq, _WAIT_GEQ, "waiting for the inputs")
 
     def outputs_written(self, seq: int) -> None:
         """Mark call `seq`'s outputs written, once this process's current stream gets there."""
-        self._write(self._outputs, seq, "marking the outputs written")
+        self._enqueue(self._driver.write, self._outputs, seq, _WRITE_DEFAULT, "marking the outputs written")
 
     # ----------------------------------------------------------------------------------------------
 
-    def _write(self, address: int, seq: int, what: str, stream: torch.cuda.Stream | None = None) -> None:
+    def _enqueue(self, operation, address: int, seq: int, flags: int, what: str,
+                 stream: torch.cuda.Stream | None = None) -> None:
+        """Queue one stream memory operation (the driver's write or wait) of seq on `stream`
+        (default: this process's current stream)."""
         stream = stream or torch.cuda.current_stream(self.device)
         self._driver.bind_context(self.device)
-        self._driver.check(self._driver.write(stream.cuda_stream, address, seq & _MASK, _WRITE_DEFAULT),
-                           what)
-
-    def _wait(self, address: int, seq: int, what: str) -> None:
-        stream = torch.cuda.current_stream(self.device)
-        self._driver.bind_context(self.device)
-        self._driver.check(self._driver.wait(stream.cuda_stream, address, seq & _MASK, _WAIT_GEQ), what)
+        self._driver.check(operation(stream.cuda_stream, address, seq & _MASK, flags), what)
