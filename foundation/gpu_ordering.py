@@ -30,9 +30,9 @@ GpuOrdering = IpcEventPair | StreamFlagPair
 GpuOrderingHandle = IpcEventPairHandle | StreamFlagPairHandle
 
 
-def check_ordering(ordering: str) -> None:
+def check_ordering(ordering: str, name: str = "ordering") -> None:
     if ordering not in ORDERINGS:
-        raise ValueError(f"ordering must be one of {ORDERINGS}, got {ordering!r}")
+        raise ValueError(f"{name} must be one of {ORDERINGS}, got {ordering!r}")
 
 
 def create_ordering(device: torch.device, ordering: str) -> GpuOrdering:
@@ -41,8 +41,7 @@ def create_ordering(device: torch.device, ordering: str) -> GpuOrdering:
     check_ordering(ordering)
     if ordering == "auto":
         ordering = os.environ.get("DFLASH_CHANNEL_ORDERING", "auto")
-        if ordering not in ORDERINGS:
-            raise ValueError(f"DFLASH_CHANNEL_ORDERING must be one of {ORDERINGS}, got {ordering!r}")
+        check_ordering(ordering, "DFLASH_CHANNEL_ORDERING")
     if ordering == "auto":
         ordering = "flags" if supported(indexed_cuda_device(device, "step buffers").index) else "events"
     pair = StreamFlagPair.create(device) if ordering == "flags" else IpcEventPair.create(device)
