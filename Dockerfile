@@ -1,5 +1,5 @@
 # The dflash-serve image: the Ray head and the Ray workers of k8s/ run it alike (KubeRay starts Ray
-# in it; Ray Serve imports target_service.deploy:app_builder from it).
+# in it; Ray Serve imports target_service.serving.deploy:app_builder from it).
 #
 # Base: NVIDIA's CUDA 13.0 runtime on Ubuntu 24.04. torch 2.13.0 from PyPI is a CUDA 13.0 build (it
 # requires cuda-toolkit 13.0.3), so the image's CUDA and torch's agree and the one driver floor is
@@ -47,7 +47,7 @@ COPY training training
 COPY bench bench
 COPY dflash_cli dflash_cli
 RUN pip install "torch==2.13.0" "ray[serve]==2.60.0" . \
-    && python -c "import ray, torch, target_service.deploy; assert ray.__version__ == '2.60.0'" \
+    && python -c "import ray, torch, target_service.serving.deploy; assert ray.__version__ == '2.60.0'" \
     && rm -rf /src
 
 USER 1000:1000

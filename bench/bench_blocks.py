@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from kvpool_service.blocks import BlockManager, CommitRequest, OpenRequest, ReserveRequest
+from kvpool_service.block_manager import BlockManager, CommitRequest, OpenRequest, ReserveRequest
 
 
 def percentile(values: list[float], q: float) -> float:

@@ -13,8 +13,8 @@ import json
 
 import torch
 
-from target_service.checkpoint import open_target_checkpoint
-from target_service.demo import demo_target_path
+from target_service.assembly.demo import demo_target_path
+from target_service.runner.checkpoint import open_target_checkpoint
 from training.corpus import held_out_prompts, load_documents, split_documents
 from training.evaluate import evaluate_pair
 

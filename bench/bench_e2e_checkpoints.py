@@ -24,7 +24,7 @@ import torch
 
 from drafter_service.model import drafter_weight_layout
 from foundation.checkpoint_config import load_drafter_config, load_target_config
-from target_service.model import target_weight_layout
+from target_service.runner.model import target_weight_layout
 from training.export import save_sharded
 
 logger = logging.getLogger(__name__)

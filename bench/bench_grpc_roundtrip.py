@@ -19,10 +19,10 @@ import time
 from pathlib import Path
 
 from bench.bench_blocks import machine, percentile, publish
-from kvpool_service.blocks import BlockManager
+from kvpool_service.block_manager import BlockManager
 from kvpool_service.client import KVPoolClient
 from kvpool_service.control import CommitRequest, OpenRequest, ReserveRequest
-from kvpool_service.spec import LayerGroup, PoolLayout, PoolSpec
+from kvpool_service.geometry import LayerGroup, PoolLayout, PoolSpec
 
 
 def make_pool(args) -> tuple[BlockManager, PoolLayout]:

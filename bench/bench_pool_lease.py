@@ -27,11 +27,11 @@ import time
 from pathlib import Path
 
 from bench.bench_blocks import machine, percentile, publish
-from kvpool_service.blocks import BlockManager
+from kvpool_service.block_manager import BlockManager
 from kvpool_service.control import CommitRequest, OpenRequest, ReserveRequest
+from kvpool_service.geometry import LayerGroup, PoolLayout, PoolSpec
 from kvpool_service.leased_control import LeasedPoolControl
-from kvpool_service.spec import LayerGroup, PoolLayout, PoolSpec
-from kvpool_service.traffic import MeteredKVPoolClient, tensor_fields
+from kvpool_service.metered_client import MeteredKVPoolClient, tensor_fields
 
 MODES = ("exact", "queued", "leased")
 

@@ -350,7 +350,7 @@ async def _bench(endpoint: Endpoint, prompts: list[list[int]], args: argparse.Na
 def run(args: argparse.Namespace) -> int:
     """Check the flags, make the prompts, run every setting, write the results."""
     from bench.bench_serve_report import write_results
-    from target_service.demo import demo_target_path
+    from target_service.assembly.demo import demo_target_path
 
     check_args(args)
     tokenizer_dir = Path(args.tokenizer_dir) if args.tokenizer_dir else demo_target_path()

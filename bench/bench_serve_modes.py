@@ -12,8 +12,8 @@ admits at equal memory: the HTTP app and engine `dflash serve` runs, without Ray
 
 Serving, one mode at a time on the whole device: plain (no drafter), dense (the drafter, its context in
 per-slot dense buffers) and paged (the drafter, its context in the pool). Each mode builds a
-`target_service.replica.Replica` (what every Ray Serve replica of `dflash serve` builds), installs its
-server in a `ServerSlot` and serves `target_service.api.create_app(slot)` under uvicorn on 127.0.0.1,
+`target_service.serving.replica.Replica` (what every Ray Serve replica of `dflash serve` builds), installs its
+server in a `ServerSlot` and serves `target_service.serving.api.create_app(slot)` under uvicorn on 127.0.0.1,
 in a thread of this process; the load generator (`bench.bench_serve`'s functions: closed loop, TTFT /
 TPOT / ITL from the SSE stream, acceptance from /metrics) runs in a child process, so its Python does
 not share the server's interpreter lock. Then the replica is closed and the device memory released
@@ -66,7 +66,7 @@ MODES = {mode.name: mode for mode in (Mode("plain", False), Mode("dense", True, 
 
 def serve_args(mode: Mode, target: Path, drafter: Path, options: argparse.Namespace):
     """`dflash serve`'s settings for one mode (no admin port: nothing here reads it)."""
-    from target_service.serve_args import ServeArgs
+    from target_service.serving.serve_args import ServeArgs
 
     return ServeArgs(target=str(target), drafter=str(drafter) if mode.drafter else "none",
                      context_storage=mode.context_storage, device=options.device, dtype=options.dtype,

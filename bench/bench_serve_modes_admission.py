@@ -33,16 +33,16 @@ class Pair:
 def pool_spec(pair: Pair, *, dtype: str | None, device: str | None):
     """The full pool spec (target and draft groups) the engine builds for this pair: the target
     assembler's own reading of the configs, in the dtype the engine computes in."""
-    from target_service.assembler import TargetAssembler
-    from target_service.engine_args import EngineArgs
+    from target_service.assembly.assembler import TargetAssembler
+    from target_service.assembly.engine_args import EngineArgs
 
     args = EngineArgs(target=str(pair.target), drafter=str(pair.drafter), dtype=dtype, device=device)
     return TargetAssembler(args).pool_spec()
 
 
 def plan(spec, memory_bytes: int, *, max_model_len: int, max_num_seqs: int, avg_seq_len: int):
-    """`dflash plan`'s arithmetic (kvpool_service.spec.plan_pool, what `dflash_cli.plan` prints)."""
-    from kvpool_service.spec import plan_pool
+    """`dflash plan`'s arithmetic (kvpool_service.geometry.plan_pool, what `dflash_cli.plan` prints)."""
+    from kvpool_service.geometry import plan_pool
 
     return plan_pool(spec, memory_bytes, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                      avg_seq_len=avg_seq_len)
@@ -70,7 +70,7 @@ def random_prompts(count: int, length: int, vocab_size: int, seed: int) -> list[
 def fill(assembly, prompts: list[list[int]], max_tokens: int, deadline: float | None) -> dict:
     """Submit every prompt at once, step until the first request finishes; the running list's and the
     pool's peaks (per step, after it: a request that finished in the step counts as running in it)."""
-    from target_service.sampling_params import SamplingParams
+    from target_service.engine.sampling_params import SamplingParams
 
     engine, blocks = assembly.engine, assembly.pool.blocks
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
@@ -101,8 +101,8 @@ def engine_case(pair: Pair, storage: str, *, memory: int, max_model_len: int, ma
                 prompts: list[list[int]], max_tokens: int, device: str | None, dtype: str | None,
                 seed: int, deadline: float | None) -> dict:
     """Build the engine of one storage at this memory, fill it, release it."""
-    from target_service.engine_args import EngineArgs
-    from target_service.in_process import build_engine
+    from target_service.assembly.engine_args import EngineArgs
+    from target_service.assembly.in_process import build_engine
 
     args = EngineArgs(target=str(pair.target), drafter=str(pair.drafter), context_storage=storage,
                       device=device, dtype=dtype, max_num_seqs=max_num_seqs, max_model_len=max_model_len,

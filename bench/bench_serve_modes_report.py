@@ -124,8 +124,8 @@ def markdown(doc: dict) -> str:
                   "trained drafter gives; the acceptance column is the server's own /metrics counters over "
                   "each level. `bench/results/e2e_step_*` times the step at a simulated acceptance.", ""]
     if "serve" in doc:
-        lines += ["Served by `dflash serve`'s HTTP app (`target_service.api.create_app` over a "
-                  "`target_service.replica.Replica`, the object each Ray Serve replica builds), under "
+        lines += ["Served by `dflash serve`'s HTTP app (`target_service.serving.api.create_app` over a "
+                  "`Replica`, the object each Ray Serve replica builds), under "
                   f"uvicorn ({doc['serve']['transport']}) on 127.0.0.1 in the benchmark's process: the same "
                   "app and engine without Ray Serve's proxy hop (no Ray Serve on the machine). The load "
                   "generator (`bench.bench_serve`'s functions) ran in a child process.", "",

@@ -36,7 +36,7 @@ import torch
 from bench.bench_e2e_checkpoints import add_pair_arguments, device_name, random_pair_for
 from bench.simulated_acceptance import SimulatedAcceptance
 from bench.step_timing import timed_steps
-from target_service.service import TargetService
+from target_service.assembly.service import TargetService
 
 RESULTS = Path(__file__).resolve().parent / "results"
 logger = logging.getLogger("bench_services_split")
@@ -48,7 +48,7 @@ def step_case(engine, batch: int, context: int, steps: int, seed: int, counters=
     counters: a callable returning a dict of counters, read just before and just after the timed
     steps; their difference per step is `counters_per_step` (the prefill's opens and reserves are
     not the steady state's traffic)."""
-    from target_service.sampling_params import SamplingParams
+    from target_service.engine.sampling_params import SamplingParams
 
     device, k = engine.device, engine.scheduler.num_speculative_tokens
     vocab = engine.target.config.vocab_size
@@ -108,7 +108,7 @@ def _per_step(before: dict, after: dict, steps: int) -> dict:
 
 def proto_bytes_fields() -> list[str]:
     """Every `bytes` field of the control plane's messages: where tensor bytes could travel."""
-    from kvpool_service.traffic import tensor_fields
+    from kvpool_service.metered_client import tensor_fields
 
     return tensor_fields()
 
@@ -129,9 +129,9 @@ def main(argv: list[str] | None = None) -> None:
     logger.setLevel(logging.INFO)
     import ray
 
-    from target_service.engine_args import EngineArgs
+    from target_service.assembly.engine_args import EngineArgs
+    from target_service.assembly.ray_services import RayServices
     from target_service.llm import LLM
-    from target_service.ray_services import RayServices
 
     device, dtype, target, drafter = random_pair_for(args)
     max_model_len = args.context + 4 * (args.steps + 2) * 16 + 64

@@ -57,8 +57,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--name", default="step_host")
     parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args(argv)
+    from target_service.engine.sampling_params import SamplingParams
     from target_service.llm import LLM
-    from target_service.sampling_params import SamplingParams
 
     device, dtype, target, drafter = random_pair_for(args)
     llm = LLM(str(target), str(drafter), device=str(device), dtype=dtype, enable_prefix_caching=False,

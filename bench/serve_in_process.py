@@ -46,8 +46,8 @@ def http_server(app) -> Iterator[str]:
 def replica_server(serve_args) -> Iterator[tuple[str, object]]:
     """A `Replica` of `serve_args` installed in a slot (as `deploy.DFlashReplica` does) behind
     `create_app(slot)`; yields (URL, replica); closes the replica on the way out."""
-    from target_service.api import ServerSlot, create_app
-    from target_service.replica import Replica
+    from target_service.serving.api import ServerSlot, create_app
+    from target_service.serving.replica import Replica
 
     replica = Replica(serve_args)
     slot = ServerSlot()

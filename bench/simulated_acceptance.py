@@ -14,11 +14,11 @@ from foundation.host_transfer import to_device
 
 
 class SimulatedAcceptance:
-    """Replaces `target_service.verify.accepted_lengths` in this process: accepted ~ Poisson(MEAN - 1),
+    """Replaces `target_service.runner.verify.accepted_lengths` in this process: accepted ~ Poisson(MEAN - 1),
     capped at each sequence's draft count (drawn on the host, one small copy to the device)."""
 
     def __init__(self, mean: float, seed: int):
-        import target_service.verify as verify_module
+        import target_service.runner.verify as verify_module
 
         self.module, self.original = verify_module, verify_module.accepted_lengths
         self.rate = max(mean - 1.0, 0.0)

@@ -102,7 +102,7 @@ def engine_case(llm, batch: int, context: int, steps: int, k: int, vocab: int, s
     """Prefill B prompts of C tokens, then time `steps` steps per mode and round side by side on the
     same engine and sequences: from CUDA graphs with and without async scheduling, alternating over
     `rounds`, then eagerly once. Each mode's spread pools its rounds; `round_medians` keeps each."""
-    from target_service.sampling_params import SamplingParams
+    from target_service.engine.sampling_params import SamplingParams
 
     engine, device = llm.engine, llm.engine.device
     generator = torch.Generator().manual_seed(seed)

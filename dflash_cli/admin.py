@@ -29,14 +29,15 @@ def register(subparsers) -> None:
 
 
 def _client(args: argparse.Namespace):
+    from foundation.secret_file import POOL_TOKEN_ENV, load_secret
     from kvpool_service.client import KVPoolClient
-    from kvpool_service.server import load_token
 
     if args.timeout <= 0:
         raise CliError(f"--timeout must be positive, got {args.timeout}")
     if ":" not in args.address:
         raise CliError(f"--address must be HOST:PORT, got {args.address!r}")
-    return KVPoolClient(args.address, token=load_token(args.token_file), timeout=args.timeout)
+    token = load_secret(args.token_file, env=POOL_TOKEN_ENV)
+    return KVPoolClient(args.address, token=token, timeout=args.timeout)
 
 
 def _fail(args: argparse.Namespace, error) -> int:

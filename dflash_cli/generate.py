@@ -51,8 +51,8 @@ def _prompt(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
+    from target_service.engine.sampling_params import SamplingParams
     from target_service.llm import LLM
-    from target_service.sampling_params import SamplingParams
 
     prompt = _prompt(args)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,

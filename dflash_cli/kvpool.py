@@ -19,7 +19,7 @@ from dflash_cli.main import CliError
 from foundation.byte_size import format_bytes
 from foundation.checkpoint_config import load_drafter_config, load_target_config
 from foundation.device_name import check_device_name
-from kvpool_service.spec import DTYPE_NAMES, PoolLayout, PoolSpec
+from kvpool_service.geometry import DTYPE_NAMES, PoolLayout, PoolSpec
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ def build_pool(args: argparse.Namespace):
     from foundation.shm import SHM_DIR
     from kvpool_service.assembler import MIN_BLOCKS, PoolArgs
     from kvpool_service.assembler import build_pool as assemble_pool
-    from target_service.engine_args import resolve_device
+    from target_service.assembly.engine_args import resolve_device
 
     _check_args(args)
     target = load_target_config(args.target)
@@ -113,9 +113,9 @@ def build_pool(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvpool_service.server import load_token
+    from foundation.secret_file import POOL_TOKEN_ENV, load_secret
 
-    token = load_token(args.token_file)
+    token = load_secret(args.token_file, env=POOL_TOKEN_ENV)
     pool = build_pool(args)
     try:
         asyncio.run(_serve(pool.blocks, pool.layout, args.host, args.port, token))

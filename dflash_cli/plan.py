@@ -8,7 +8,7 @@ import json
 from dflash_cli.flags import byte_size
 from foundation.byte_size import format_bytes
 from foundation.checkpoint_config import load_drafter_config, load_target_config
-from kvpool_service.spec import DTYPE_NAMES, PoolPlan, PoolSpec, plan_pool
+from kvpool_service.geometry import DTYPE_NAMES, PoolPlan, PoolSpec, plan_pool
 
 
 def register(subparsers) -> None:

@@ -61,7 +61,7 @@ def register(subparsers) -> None:
 
 
 def serve_args(args: argparse.Namespace):
-    from target_service.serve_args import ServeArgs
+    from target_service.serving.serve_args import ServeArgs
 
     fields = {name: getattr(args, name) for name in ServeArgs.model_fields
               if getattr(args, name, None) is not None}
@@ -75,7 +75,7 @@ def serve_args(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
-    from target_service import deploy
+    from target_service.serving import deploy
 
     settings = serve_args(args)
     stop = threading.Event()

@@ -19,14 +19,14 @@ from drafter_service.checkpoint import load_drafter, open_drafter_checkpoint
 from drafter_service.context_graphs import ContextGraphs, context_row_sizes
 from drafter_service.context_storage import DenseContext, PagedContext
 from drafter_service.cuda_graphs import ProposeGraphs
-from drafter_service.drafter import DraftWorker
+from drafter_service.draft_worker import DraftWorker
 from drafter_service.step_buffers import StepBuffers, StepBuffersHandle
 from drafter_service.target_tables import load_target_tables
 from foundation.checkpoint_config import load_target_config
 from foundation.cuda_graph_sizes import capture_sizes
 from foundation.weights import resolve_dtype
+from kvpool_service.geometry import PoolSpec
 from kvpool_service.memory import PoolHandle, PoolMemory
-from kvpool_service.spec import PoolSpec
 
 logger = logging.getLogger(__name__)
 

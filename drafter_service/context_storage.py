@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from kernels import PAD_SLOT
-from kvpool_service.spec import LayerGroup
+from kvpool_service.geometry import LayerGroup
 
 
 class PagedContext:

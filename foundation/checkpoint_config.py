@@ -1,7 +1,7 @@
 """Validated views of the two `config.json` files the system reads: target (HF) and drafter (DFlash).
 
 They live here, at the bottom of the import chain, because the pool's geometry is derived from
-them (`kvpool_service.spec`) and both model packages build on the same validated objects. A bad
+them (`kvpool_service.geometry`) and both model packages build on the same validated objects. A bad
 file fails once, with one sentence naming the file and the field, before any work is done.
 """
 

@@ -17,10 +17,10 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt
 
 from foundation.byte_size import format_bytes
-from kvpool_service.blocks import BlockManager
+from kvpool_service.block_manager import BlockManager
 from kvpool_service.control import PoolControl
+from kvpool_service.geometry import PoolLayout, PoolSpec, dense_context_bytes
 from kvpool_service.memory import PoolHandle, PoolMemory
-from kvpool_service.spec import PoolLayout, PoolSpec, dense_context_bytes
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """The pool's control interface: the batched verbs the scheduler calls once per step, and their types.
 
-Two things implement `PoolControl`: the in-process `BlockManager` (kvpool_service.blocks) and the
+Two things implement `PoolControl`: the in-process `BlockManager` (kvpool_service.block_manager) and the
 gRPC `KVPoolClient` (kvpool_service.client) talking to a `dflash kvpool` server. Both raise the same
 typed errors (kvpool_service.errors), so the engine runs unchanged against either.
 """

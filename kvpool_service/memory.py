@@ -35,7 +35,7 @@ from foundation.layer_cache import LayerCache
 from foundation.shared_buffer import BufferHandle, OwnedBuffer, map_buffer
 from foundation.shm import SHM_DIR, pool_file_name
 from kvpool_service.errors import StaleEpoch
-from kvpool_service.spec import LayerGroup, PoolLayout
+from kvpool_service.geometry import LayerGroup, PoolLayout
 
 logger = logging.getLogger(__name__)
 

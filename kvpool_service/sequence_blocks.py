@@ -1,6 +1,6 @@
 """The pool's record of one open sequence, and the checks of the plain values requests carry.
 
-Split from `kvpool_service.blocks` so the BlockManager file holds only the bookkeeping; every check
+Split from `kvpool_service.block_manager` so the BlockManager file holds only the bookkeeping; every check
 raises `InvalidRequest` naming the field (and the sequence), and builds its message only on failure.
 """
 

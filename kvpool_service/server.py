@@ -17,16 +17,14 @@ import asyncio
 import hmac
 import itertools
 import logging
-import os
 import threading
 import time
-from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from kvpool_service.blocks import BlockManager
+from kvpool_service.block_manager import BlockManager
 from kvpool_service.control import OpenRequest
 from kvpool_service.errors import (
     AVAILABLE_KEY,
@@ -38,28 +36,14 @@ from kvpool_service.errors import (
     PoolExhausted,
     ReadOnly,
 )
+from kvpool_service.geometry import PoolLayout
 from kvpool_service.proto import kvpool_pb2 as pb
 from kvpool_service.proto import kvpool_pb2_grpc
-from kvpool_service.spec import PoolLayout
 
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KVPool"].full_name  # "dflash.kvpool.v1.KVPool"
-TOKEN_ENV = "DFLASH_KVPOOL_TOKEN"
 HEALTH_PREFIX = f"/{health.SERVICE_NAME}/"
-
-
-def load_token(token_file: str | Path | None = None, env: str = TOKEN_ENV) -> str | None:
-    """The bearer token from `token_file`, else from the environment variable `env`; None: auth off."""
-    if token_file is not None:
-        try:
-            token = Path(token_file).read_text().strip()
-        except OSError as error:
-            raise ValueError(f"cannot read the token file {token_file}: {error.strerror}") from None
-        if not token:
-            raise ValueError(f"the token file {token_file} is empty")
-        return token
-    return os.environ.get(env, "").strip() or None
 
 
 def format_address(host: str, port: int) -> str:

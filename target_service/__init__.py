@@ -6,10 +6,10 @@ lazily, so `dflash plan` and the admin commands start without loading torch.
 
 _EXPORTS = {
     "LLM": "target_service.llm",
-    "SamplingParams": "target_service.sampling_params",
-    "RequestOutput": "target_service.outputs",
-    "CompletionOutput": "target_service.outputs",
-    "SpecDecodeStats": "target_service.outputs",
+    "SamplingParams": "target_service.engine.sampling_params",
+    "RequestOutput": "target_service.engine.outputs",
+    "CompletionOutput": "target_service.engine.outputs",
+    "SpecDecodeStats": "target_service.engine.outputs",
 }
 
 __all__ = sorted(_EXPORTS)

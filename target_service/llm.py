@@ -6,24 +6,24 @@ import itertools
 from collections.abc import Sequence as Seq
 from typing import Literal
 
-from target_service.demo import resolve_pair
-from target_service.engine_args import EngineArgs
-from target_service.in_process import build_engine
-from target_service.outputs import CompletionOutput, RequestOutput, SpecDecodeStats
-from target_service.sampling_params import SamplingParams
-from target_service.sequence import Sequence
+from target_service.assembly.demo import resolve_pair
+from target_service.assembly.engine_args import EngineArgs
+from target_service.assembly.in_process import build_engine
+from target_service.engine.outputs import CompletionOutput, RequestOutput, SpecDecodeStats
+from target_service.engine.sampling_params import SamplingParams
+from target_service.engine.sequence import Sequence
 
 
 class LLM:
     """A target (and optionally a DFlash drafter) served in this process.
 
-    With no target it serves the built-in demo pair (`target_service.demo`), speculatively unless
+    With no target it serves the built-in demo pair (`target_service.assembly.demo`), speculatively unless
     drafter="none". With a target but no drafter (or drafter="none") it decodes plainly.
     `context_storage="dense"` reserves the draft context up front per slot (the baseline) instead of
     paging it in the pool.
 
     `services="inprocess"` (the default) assembles the pool, drafter and target in this process;
-    `services="ray"` runs them as three Ray actors (`target_service.ray_services`: a local Ray on
+    `services="ray"` runs them as three Ray actors (`target_service.assembly.ray_services`: a local Ray on
     loopback, or the cluster at `address` / RAY_ADDRESS) with the same outputs. `engine` is the
     in-process engine, None with Ray.
     """
@@ -54,8 +54,8 @@ class LLM:
         self.services = services
         self._ids = itertools.count()
         if services == "ray":
-            from target_service.checkpoint import open_target_checkpoint
-            from target_service.ray_services import RayServices
+            from target_service.assembly.ray_services import RayServices
+            from target_service.runner.checkpoint import open_target_checkpoint
 
             self.tokenizer = open_target_checkpoint(target).tokenizer
             self.engine = None

@@ -8,8 +8,8 @@ from tiny_checkpoints import write_drafter_checkpoint, write_target_checkpoint
 
 from drafter_service.assembler import DrafterArgs, DrafterAssembler
 from kvpool_service.assembler import PoolArgs, build_pool
-from target_service.assembler import TargetAssembler
-from target_service.engine_args import EngineArgs
+from target_service.assembly.assembler import TargetAssembler
+from target_service.assembly.engine_args import EngineArgs
 
 TOKENS_PER_BLOCK = 16
 

@@ -17,13 +17,13 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 LAYERS = ["kernels", "foundation", "kvpool_service", "drafter_service", "target_service", "training",
           "dflash_cli"]
-TARGET_ASSEMBLERS = {"target_service/in_process.py", "target_service/assembler.py"}
+TARGET_ASSEMBLERS = {"target_service/assembly/in_process.py", "target_service/assembly/assembler.py"}
 # What only an assembler may name: the concrete pool manager, the draft model and its loaders.
 ASSEMBLER_ONLY = {
-    "kvpool_service.blocks": {"BlockManager"},
+    "kvpool_service.block_manager": {"BlockManager"},
     "drafter_service.model": {"DFlashDrafter"},
     "drafter_service.checkpoint": {"load_drafter"},
-    "drafter_service.drafter": {"DraftWorker"},
+    "drafter_service.draft_worker": {"DraftWorker"},
 }
 
 
@@ -65,5 +65,5 @@ def test_outside_its_assemblers_target_service_sees_only_the_protocols():
 
 def test_the_rule_reads_imports_inside_functions_too(tmp_path):
     source = tmp_path / "sample.py"
-    source.write_text("def f():\n    from kvpool_service.blocks import BlockManager\n")
-    assert imported_modules(source) == [("kvpool_service.blocks", {"BlockManager"})]
+    source.write_text("def f():\n    from kvpool_service.block_manager import BlockManager\n")
+    assert imported_modules(source) == [("kvpool_service.block_manager", {"BlockManager"})]

@@ -18,9 +18,9 @@ import time
 
 import torch
 
+from target_service.engine.outputs import SpecDecodeStats
+from target_service.engine.sampling_params import SamplingParams
 from target_service.llm import LLM
-from target_service.outputs import SpecDecodeStats
-from target_service.sampling_params import SamplingParams
 from training.prompt_lookup import PromptLookupDrafter
 
 logger = logging.getLogger(__name__)

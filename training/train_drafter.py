@@ -18,7 +18,7 @@ import torch
 
 from foundation.byte_size import parse_byte_size
 from foundation.checkpoint_config import DrafterConfig
-from target_service.checkpoint import open_target_checkpoint
+from target_service.runner.checkpoint import open_target_checkpoint
 from training.anchors import build_blocks, default_gamma, sample_anchors, weighted_block_loss
 from training.corpus import (
     MASK_TOKEN,

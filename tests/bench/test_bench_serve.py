@@ -38,10 +38,10 @@ from bench.bench_serve_report import (
     summarize_setting,
     write_results,
 )
-from target_service.api import ServerSlot, create_app
-from target_service.demo import demo_target_path
-from target_service.replica import Replica
-from target_service.serve_args import ServeArgs
+from target_service.assembly.demo import demo_target_path
+from target_service.serving.api import ServerSlot, create_app
+from target_service.serving.replica import Replica
+from target_service.serving.serve_args import ServeArgs
 
 URL = "http://dflash.test/v1"
 OUTPUT_LEN = 12

@@ -14,7 +14,7 @@ import pytest
 
 from bench.bench_serve_modes import parse_args, run
 from bench.bench_serve_modes_report import replot
-from target_service.demo import demo_drafter_path, demo_target_path
+from target_service.assembly.demo import demo_drafter_path, demo_target_path
 
 LEVELS = [1, 2]
 OUTPUT_LEN = 8
@@ -127,7 +127,7 @@ def test_a_closed_replica_leaves_nothing_of_its_engine_in_memory():
     import httpx
 
     from bench.serve_in_process import replica_server
-    from target_service.serve_args import ServeArgs
+    from target_service.serving.serve_args import ServeArgs
 
     args = ServeArgs(device="cpu", dtype="float32", kv_cache_memory="16MiB", max_model_len=512,
                      max_num_seqs=2, admin_port=None)

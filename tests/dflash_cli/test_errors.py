@@ -153,7 +153,7 @@ def test_dash_values_are_attached_to_their_flag_only(argv, expected):
     (["--max-waiting", "-1"], "--max-waiting: "),
 ])
 def test_serve_refuses_bad_flags_before_starting_anything(dflash, argv, expected, monkeypatch):
-    import target_service.deploy as deploy
+    import target_service.serving.deploy as deploy
 
     monkeypatch.setattr(deploy, "start_ray", lambda settings: pytest.fail("Ray was started"))
     code, err = dflash("serve", *argv)

@@ -154,10 +154,11 @@ def test_admin_stats_into_a_reader_that_left_exits_quietly():
 
 
 def test_token_file_help_says_the_variable_holds_the_token_itself(dflash, monkeypatch, capsys):
-    from kvpool_service.server import TOKEN_ENV, load_token
+    from foundation.secret_file import POOL_TOKEN_ENV as TOKEN_ENV
+    from foundation.secret_file import load_secret
 
     monkeypatch.setenv(TOKEN_ENV, "s3cret")
-    assert load_token(None) == "s3cret"  # the truth: the variable is the token, not a path to one
+    assert load_secret(None, env=TOKEN_ENV) == "s3cret"  # the variable is the token, not a path
     for argv in (["kvpool", "--help"], ["admin", "stats", "--help"]):
         with pytest.raises(SystemExit):
             cli.main(argv)

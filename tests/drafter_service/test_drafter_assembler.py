@@ -9,9 +9,9 @@ from drafter_service.target_tables import load_target_tables
 from foundation.checkpoint_config import load_target_config
 from foundation.weights import CheckpointError
 from kvpool_service.assembler import PoolArgs, build_pool
+from kvpool_service.geometry import PoolSpec
 from kvpool_service.memory import PoolAttachError
-from kvpool_service.spec import PoolSpec
-from target_service.checkpoint import load_target
+from target_service.runner.checkpoint import load_target
 
 
 @pytest.mark.parametrize("tied", [False, True])

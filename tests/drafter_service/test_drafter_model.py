@@ -15,8 +15,8 @@ from safetensors.torch import load_file
 
 from drafter_service.checkpoint import load_drafter
 from drafter_service.draft_batch import DraftBatch
-from target_service.checkpoint import load_target
-from target_service.forward_batch import SeqChunk, pack
+from target_service.runner.checkpoint import load_target
+from target_service.runner.forward_batch import SeqChunk, pack
 from tests.tiny_checkpoints import write_drafter_checkpoint, write_target_checkpoint
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

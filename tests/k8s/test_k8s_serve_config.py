@@ -1,6 +1,6 @@
 """The serve arguments of each overlay: one source (the overlay's serve-config.yaml, through the
 ConfigMap into spec.serveConfigV2), a Ray Serve config Ray accepts, `args` that parse as ServeArgs,
-and an application `target_service.deploy.app_builder` builds from them (the Serve Application
+and an application `target_service.serving.deploy.app_builder` builds from them (the Serve Application
 object only: no Ray starts)."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 from ray.serve.schema import ServeDeploySchema
 
-from target_service.deploy import app_builder
-from target_service.serve_args import ServeArgs
+from target_service.serving.deploy import app_builder
+from target_service.serving.serve_args import ServeArgs
 from tests.k8s.manifests import K8S, OVERLAY_IDS, OVERLAYS, rendered
 
 overlays = pytest.mark.parametrize("overlay", OVERLAYS, ids=OVERLAY_IDS)
@@ -29,7 +29,7 @@ def test_serve_config_is_one_ray_accepts(overlay):
     config = ServeDeploySchema(**rendered(overlay).serve_config)
     (application,) = config.applications
     assert (application.name, application.route_prefix) == ("dflash", "/")
-    assert application.import_path == "target_service.deploy:app_builder"
+    assert application.import_path == "target_service.serving.deploy:app_builder"
     assert config.http_options.host == "0.0.0.0"  # the pods' IPs, where the probes and Services come
 
 
@@ -86,5 +86,5 @@ def test_gpu_overlay_serves_qwen3_8b_with_its_drafter_in_bf16_on_cuda():
 def test_cpu_demo_serves_the_built_in_demo_pair():
     args = rendered("cpu-demo").serve_args
     assert "target" not in args and "drafter" not in args
-    assert ServeArgs.model_fields["target"].default is None  # None: the demo pair (target_service.demo)
+    assert ServeArgs.model_fields["target"].default is None  # None: the demo pair
 

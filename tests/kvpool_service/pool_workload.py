@@ -9,11 +9,11 @@ from collections import Counter
 
 import pytest
 
-from kvpool_service.blocks import BlockManager
+from kvpool_service.block_manager import BlockManager
 from kvpool_service.control import CommitRequest, OpenRequest, PoolControl, ReserveRequest
 from kvpool_service.errors import LimitExceeded, UnknownSequence
+from kvpool_service.geometry import LayerGroup, PoolLayout, PoolSpec
 from kvpool_service.leased_control import LeasedPoolControl
-from kvpool_service.spec import LayerGroup, PoolLayout, PoolSpec
 
 TPB, MAX_LEN, MAX_SEQS, K = 4, 64, 4, 3
 # Big enough that no workload below evicts a cached block, even with every sequence's lease held:

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from kvpool_service.assembler import PoolArgs, build_pool, size_pool
+from kvpool_service.geometry import LayerGroup, PoolSpec, dense_context_bytes
 from kvpool_service.memory import PoolMemory
-from kvpool_service.spec import LayerGroup, PoolSpec, dense_context_bytes
 
 TPB = 16
 

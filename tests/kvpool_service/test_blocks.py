@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from kvpool_service.blocks import BlockManager, CommitRequest, OpenRequest, ReserveRequest
+from kvpool_service.block_manager import BlockManager, CommitRequest, OpenRequest, ReserveRequest
 from kvpool_service.errors import (
     InvalidRequest,
     LimitExceeded,

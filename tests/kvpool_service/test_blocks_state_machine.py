@@ -14,7 +14,7 @@ import hypothesis.strategies as st
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from kvpool_service.blocks import BlockManager, CommitRequest, OpenRequest, ReserveRequest
+from kvpool_service.block_manager import BlockManager, CommitRequest, OpenRequest, ReserveRequest
 from kvpool_service.errors import InvalidRequest, LimitExceeded, PoolExhausted, UnknownSequence
 
 TPB = 4

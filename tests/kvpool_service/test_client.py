@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from kvpool_service.blocks import BlockManager
+from kvpool_service.block_manager import BlockManager
 from kvpool_service.client import KVPoolClient
 from kvpool_service.control import CommitRequest, OpenRequest, PoolControl, ReserveRequest
 from kvpool_service.errors import (
@@ -22,8 +22,8 @@ from kvpool_service.errors import (
     TransportError,
     UnknownSequence,
 )
+from kvpool_service.geometry import LayerGroup, PoolLayout, PoolSpec
 from kvpool_service.server import BackgroundServer
-from kvpool_service.spec import LayerGroup, PoolLayout, PoolSpec
 
 TPB = 16
 

@@ -20,8 +20,8 @@ from pool_workload import GRPC_TPB, ROOMY, TPB, CountingPool, Workload, make_man
 from kvpool_service.control import CommitRequest, OpenRequest, ReserveRequest
 from kvpool_service.errors import InvalidRequest, PoolExhausted
 from kvpool_service.leased_control import LeasedPoolControl
+from kvpool_service.metered_client import MeteredKVPoolClient
 from kvpool_service.server import BackgroundServer
-from kvpool_service.traffic import MeteredKVPoolClient
 
 
 @settings(max_examples=40, deadline=None)

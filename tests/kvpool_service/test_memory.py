@@ -10,6 +10,7 @@ import torch
 
 from foundation import cuda_ipc, shm
 from foundation.shared_buffer import BufferHandle
+from kvpool_service.geometry import LayerGroup, PoolLayout, PoolSpec
 from kvpool_service.memory import (
     HEADER_BYTES,
     PoolAttachError,
@@ -18,7 +19,6 @@ from kvpool_service.memory import (
     StaleEpochError,
     plan_segments,
 )
-from kvpool_service.spec import LayerGroup, PoolLayout, PoolSpec
 
 
 def make_spec(draft_dtype="float8_e4m3fn", *, with_draft=True, target_layers=2):

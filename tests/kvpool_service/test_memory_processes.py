@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from foundation.shm import sweep_stale_files
+from kvpool_service.geometry import LayerGroup, PoolLayout, PoolSpec
 from kvpool_service.memory import PoolMemory, StaleEpochError
-from kvpool_service.spec import LayerGroup, PoolLayout, PoolSpec
 
 SPAWN = multiprocessing.get_context("spawn")
 TIMEOUT_S = 60

@@ -13,11 +13,11 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
-from kvpool_service.blocks import BlockManager
+from kvpool_service.block_manager import BlockManager
+from kvpool_service.geometry import LayerGroup, PoolLayout, PoolSpec
 from kvpool_service.proto import kvpool_pb2 as pb
 from kvpool_service.proto import kvpool_pb2_grpc
-from kvpool_service.server import SERVICE_NAME, BackgroundServer, load_token
-from kvpool_service.spec import LayerGroup, PoolLayout, PoolSpec
+from kvpool_service.server import SERVICE_NAME, BackgroundServer
 
 TPB = 16
 TOKEN = "s3cret-token"
@@ -180,21 +180,6 @@ def test_layout_and_stats_describe_the_pool(served):
 
 def test_binds_loopback_by_default(served):
     assert served.server.address.startswith("127.0.0.1:") and served.server.server.port > 0
-
-
-def test_token_comes_from_the_file_then_the_environment(tmp_path, monkeypatch):
-    monkeypatch.delenv("DFLASH_KVPOOL_TOKEN", raising=False)
-    assert load_token() is None
-    monkeypatch.setenv("DFLASH_KVPOOL_TOKEN", " from-env\n")
-    assert load_token() == "from-env"
-    path = tmp_path / "token"
-    path.write_text("from-file\n")
-    assert load_token(path) == "from-file"
-    path.write_text("  \n")
-    with pytest.raises(ValueError, match="is empty"):
-        load_token(path)
-    with pytest.raises(ValueError, match="cannot read the token file"):
-        load_token(tmp_path / "missing")
 
 
 def test_server_refuses_a_block_manager_of_another_epoch():

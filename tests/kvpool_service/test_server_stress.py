@@ -16,14 +16,14 @@ import grpc
 import hypothesis.strategies as st
 from hypothesis import HealthCheck, given, settings
 
-from kvpool_service.blocks import BlockManager
+from kvpool_service.block_manager import BlockManager
 from kvpool_service.client import KVPoolClient
 from kvpool_service.control import CommitRequest, OpenRequest, ReserveRequest
 from kvpool_service.errors import PoolExhausted, UnknownSequence
+from kvpool_service.geometry import LayerGroup, PoolLayout, PoolSpec
 from kvpool_service.proto import kvpool_pb2 as pb
 from kvpool_service.proto import kvpool_pb2_grpc
 from kvpool_service.server import SERVICE_NAME, BackgroundServer
-from kvpool_service.spec import LayerGroup, PoolLayout, PoolSpec
 
 TPB = 16
 REFUSALS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.NOT_FOUND,

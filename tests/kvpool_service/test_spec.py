@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from kvpool_service.spec import LayerGroup, PoolLayout, PoolSpec, plan_pool
+from kvpool_service.geometry import LayerGroup, PoolLayout, PoolSpec, plan_pool
 
 GIB = 2**30
 

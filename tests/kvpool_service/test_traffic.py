@@ -10,9 +10,9 @@ from pool_workload import make_served
 
 from kvpool_service.control import CommitRequest, OpenRequest, ReserveRequest
 from kvpool_service.errors import UnknownSequence
+from kvpool_service.metered_client import MeteredKVPoolClient, tensor_fields
 from kvpool_service.proto import kvpool_pb2 as pb
 from kvpool_service.server import BackgroundServer
-from kvpool_service.traffic import MeteredKVPoolClient, tensor_fields
 
 
 def test_the_counter_counts_serialized_protobuf_bytes():

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from target_service.openai_protocol import (
+from target_service.serving.openai_protocol import (
     SSE_DONE,
     ChatCompletionResponse,
     CompletionResponse,

@@ -20,8 +20,8 @@ READY_TIMEOUT_S = 150
 
 def offline_completion(max_tokens: int = 32):
     """The offline in-process LLM's greedy completion of PROMPT with MODEL's settings: the reference."""
+    from target_service.engine.sampling_params import SamplingParams
     from target_service.llm import LLM
-    from target_service.sampling_params import SamplingParams
 
     llm = LLM(**MODEL)
     try:

@@ -9,13 +9,13 @@ import httpx
 import openai
 import pytest
 
-from target_service.api import ServerSlot, create_app
-from target_service.chat_template import load_chat_template
-from target_service.demo import demo_target_path
+from target_service.assembly.demo import demo_target_path
+from target_service.engine.sampling_params import SamplingParams
 from target_service.llm import LLM
-from target_service.replica import Replica
-from target_service.sampling_params import SamplingParams
-from target_service.serve_args import ServeArgs
+from target_service.serving.api import ServerSlot, create_app
+from target_service.serving.chat_template import load_chat_template
+from target_service.serving.replica import Replica
+from target_service.serving.serve_args import ServeArgs
 
 ARGS = dict(
     device="cpu", dtype="float32", kv_cache_memory="16MiB", max_model_len=256, max_num_seqs=4, admin_port=None

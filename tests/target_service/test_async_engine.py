@@ -6,9 +6,9 @@ import asyncio
 import pytest
 from engine_helpers import make_pair, random_prompts
 
-from target_service.async_engine import AsyncEngine, QueueFull
+from target_service.engine.async_engine import AsyncEngine, QueueFull
+from target_service.engine.sampling_params import SamplingParams
 from target_service.llm import LLM
-from target_service.sampling_params import SamplingParams
 
 SETTINGS = dict(num_speculative_tokens=3, kv_cache_memory="4MiB", tokens_per_block=16, max_num_seqs=8,
                 max_model_len=128)

@@ -10,11 +10,11 @@ import pytest
 import torch
 from engine_helpers import OracleDrafter, make_pair, random_prompts
 
-from target_service.forward_batch import SeqChunk, pack
+from target_service.engine.sampling_params import SamplingParams
+from target_service.engine.scheduler import DecodeWork, SchedulerOutput
 from target_service.llm import LLM
-from target_service.sampling_params import SamplingParams
-from target_service.scheduler import DecodeWork, SchedulerOutput
-from target_service.step_ahead import next_inputs, plan_ahead, uniform_decode_batch
+from target_service.runner.forward_batch import SeqChunk, pack
+from target_service.runner.step_ahead import next_inputs, plan_ahead, uniform_decode_batch
 
 SETTINGS = dict(kv_cache_memory="4MiB", tokens_per_block=16, max_num_seqs=8, max_model_len=160)
 
@@ -57,7 +57,7 @@ def test_a_full_batch_with_requests_waiting_still_runs_ahead(tmp_path, monkeypat
     """Six requests, two slots: while both slots are taken the waiting ones cannot be admitted, so
     steps go ahead; a request waiting for a slot freed by the current step starts a step later.
     Every request's tokens and acceptance equal the engine's without async scheduling."""
-    import target_service.engine as engine_module
+    import target_service.engine.engine as engine_module
 
     target, drafter = make_pair(tmp_path)
     prompts = random_prompts(6, 160, low=3, high=40)
@@ -224,7 +224,7 @@ def test_steps_ahead_through_the_graph_runners_equal_target_only(tmp_path, stora
     the drafts (so the acceptance) equal those of the engine without runners."""
     from drafter_service.context_graphs import ContextGraphs, context_row_sizes
     from drafter_service.cuda_graphs import ProposeGraphs
-    from target_service.cuda_graphs import GraphKey, TargetGraphs
+    from target_service.runner.cuda_graphs import GraphKey, TargetGraphs
 
     target, drafter = make_pair(tmp_path)
     prompts = random_prompts(3, 160, low=3, high=40)  # 3 sequences: graphs of 4 with one dummy

@@ -22,10 +22,10 @@ from foundation.cuda_ipc import export_buffer
 from foundation.shared_buffer import BufferHandle
 from foundation.step_channel import RemoteError, StepChannel
 from kvpool_service.assembler import PoolArgs, build_pool
-from target_service.assembler import TargetAssembler
-from target_service.engine_args import EngineArgs
+from target_service.assembly.assembler import TargetAssembler
+from target_service.assembly.engine_args import EngineArgs
+from target_service.engine.sampling_params import SamplingParams
 from target_service.llm import LLM
-from target_service.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 SPAWN = multiprocessing.get_context("spawn")

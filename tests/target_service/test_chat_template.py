@@ -5,8 +5,8 @@ import shutil
 
 import pytest
 
-from target_service.chat_template import ChatTemplateError, NoChatTemplate, load_chat_template
-from target_service.demo import demo_target_path
+from target_service.assembly.demo import demo_target_path
+from target_service.serving.chat_template import ChatTemplateError, NoChatTemplate, load_chat_template
 
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Sort xs."}]
 

@@ -23,8 +23,8 @@ import httpx
 import pytest
 from free_ports import free_port
 
-from target_service.deploy import replica_bundle, replica_deployment
-from target_service.serve_args import ServeArgs
+from target_service.serving.deploy import replica_bundle, replica_deployment
+from target_service.serving.serve_args import ServeArgs
 
 pytestmark = [pytest.mark.xdist_group("ray"), pytest.mark.usefixtures("ray_machine")]
 READY_TIMEOUT_S = 150
@@ -177,7 +177,7 @@ def test_replica_bundle_holds_the_cpus_gpus_and_custom_resources_of_one_replica(
 
 
 def test_with_ray_services_a_replicas_gpu_goes_to_its_three_service_bundles():
-    from target_service.deploy import replica_bundles
+    from target_service.serving.deploy import replica_bundles
 
     args = ServeArgs(services="ray", num_cpus_per_replica=0.5, num_gpus_per_replica=1,
                      replica_resources='{"dflash_gpu": 1}')
@@ -197,7 +197,7 @@ def test_with_ray_services_a_replicas_gpu_goes_to_its_three_service_bundles():
     ('{"dflash_gpu": 0}', "--replica-resources: dflash_gpu needs a positive amount"),
 ])
 def test_bad_replica_resources_are_one_line_naming_the_flag(flag, expected, capsys, monkeypatch):
-    import target_service.deploy as deploy
+    import target_service.serving.deploy as deploy
     from dflash_cli import main as cli
 
     monkeypatch.setattr(deploy, "start_ray", lambda settings: pytest.fail("Ray was started"))
@@ -271,10 +271,10 @@ def test_on_a_shared_cluster_only_this_application_is_deployed_and_deleted(clust
 SERVICES_DRIVER = """
 import json, sys
 from ray.util.placement_group import placement_group_table
-from target_service.demo import resolve_pair
-from target_service.engine_args import EngineArgs
-from target_service.ray_services import RayServices
-from target_service.sampling_params import SamplingParams
+from target_service.assembly.demo import resolve_pair
+from target_service.assembly.engine_args import EngineArgs
+from target_service.assembly.ray_services import RayServices
+from target_service.engine.sampling_params import SamplingParams
 
 target, drafter = resolve_pair(None, None)
 args = EngineArgs(target=target, drafter=drafter, device="cpu", dtype="float32", kv_cache_memory="16MiB",
@@ -296,8 +296,8 @@ def test_ray_services_join_a_cluster_and_pack_their_three_actors_on_one_node(clu
     on one worker node (the head has no CPUs for them), and the in-process engine's tokens."""
     import json
 
+    from target_service.engine.sampling_params import SamplingParams
     from target_service.llm import LLM
-    from target_service.sampling_params import SamplingParams
 
     prompt = list(range(40, 72))
     driver = subprocess.run([sys.executable, "-c", SERVICES_DRIVER, cluster.address, json.dumps(prompt)],

@@ -14,10 +14,10 @@ import torch
 from engine_helpers import make_pair, random_prompts
 
 from kernels import PAD_SLOT
-from target_service.context_rows import SeqTaps, select_context_rows
-from target_service.forward_batch import SeqChunk, pack
+from target_service.engine.sampling_params import SamplingParams
 from target_service.llm import LLM
-from target_service.sampling_params import SamplingParams
+from target_service.runner.context_rows import SeqTaps, select_context_rows
+from target_service.runner.forward_batch import SeqChunk, pack
 
 
 class ContextChecker:

@@ -10,9 +10,9 @@ from tiny_checkpoints import write_target_checkpoint
 
 from drafter_service.context_graphs import ContextGraphs, context_row_sizes
 from drafter_service.cuda_graphs import ProposeGraphs
-from target_service.checkpoint import load_target
-from target_service.cuda_graphs import GraphKey, TargetGraphs
-from target_service.forward_batch import SeqChunk, pack
+from target_service.runner.checkpoint import load_target
+from target_service.runner.cuda_graphs import GraphKey, TargetGraphs
+from target_service.runner.forward_batch import SeqChunk, pack
 
 TPB = 16
 

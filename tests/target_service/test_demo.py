@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from dflash_cli.main import main
-from target_service import demo
+from target_service.assembly import demo
+from target_service.engine.sampling_params import SamplingParams
 from target_service.llm import LLM
-from target_service.sampling_params import SamplingParams
 
 MiB = 2**20
 PROMPTS = ["def parse_args(argv):\n    parser = ", "class Stack:\n    def __init__(self):\n        self."]

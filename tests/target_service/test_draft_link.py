@@ -11,9 +11,9 @@ import pytest
 from drafter_service.control import DrafterUnavailable
 from foundation.step_channel import PeerGone, RemoteError
 from kvpool_service.errors import InvalidRequest, StaleEpoch, TransportError
-from target_service import draft_link
-from target_service.draft_link import DrafterLink
-from target_service.pool_failover import PoolFailover
+from target_service.assembly import draft_link
+from target_service.assembly.draft_link import DrafterLink
+from target_service.assembly.pool_failover import PoolFailover
 
 
 class FlakyControl:

@@ -5,8 +5,8 @@ import torch
 from engine_helpers import make_pair, random_prompts
 from near_ties import assert_equal_up_to_a_near_tie
 
+from target_service.engine.sampling_params import SamplingParams
 from target_service.llm import LLM
-from target_service.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.gpu
 GREEDY = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)

@@ -9,8 +9,8 @@ import pytest
 import torch
 from engine_helpers import OracleDrafter, make_pair, random_prompts
 
+from target_service.engine.sampling_params import SamplingParams
 from target_service.llm import LLM
-from target_service.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 pytestmark = pytest.mark.usefixtures("pool_transport")

@@ -11,9 +11,9 @@ import math
 import torch
 from engine_helpers import make_pair
 
-from target_service.forward_batch import SeqChunk, pack
+from target_service.engine.sampling_params import SamplingParams
 from target_service.llm import LLM
-from target_service.sampling_params import SamplingParams
+from target_service.runner.forward_batch import SeqChunk, pack
 
 VOCAB = 12
 TEMPERATURE = 0.6

@@ -7,8 +7,8 @@ import pytest
 import torch
 from engine_helpers import make_pair, random_prompts
 
+from target_service.engine.sampling_params import SamplingParams
 from target_service.llm import LLM
-from target_service.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("pool_transport")
 

@@ -10,10 +10,10 @@ import pytest
 import torch
 from engine_helpers import make_pair, random_prompts
 
-from target_service.assembler import TargetAssembler
-from target_service.engine_args import EngineArgs
+from target_service.assembly.assembler import TargetAssembler
+from target_service.assembly.engine_args import EngineArgs
+from target_service.engine.sampling_params import SamplingParams
 from target_service.llm import LLM
-from target_service.sampling_params import SamplingParams
 
 # on CPU wherever the test is run (on a GPU a verify and a decode may part at a near-tie; the page test
 # below takes its device as a parameter)

@@ -6,10 +6,10 @@ import asyncio
 from engine_helpers import make_pair, random_prompts
 from prometheus_client.parser import text_string_to_metric_families
 
-from target_service.async_engine import AsyncEngine
+from target_service.engine.async_engine import AsyncEngine
+from target_service.engine.sampling_params import SamplingParams
 from target_service.llm import LLM
-from target_service.metrics import ServerMetrics
-from target_service.sampling_params import SamplingParams
+from target_service.serving.metrics import ServerMetrics
 
 
 def samples(metrics: ServerMetrics) -> dict:

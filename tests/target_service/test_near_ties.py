@@ -4,8 +4,8 @@ import pytest
 from engine_helpers import make_pair, random_prompts
 from near_ties import assert_equal_up_to_a_near_tie, first_difference
 
+from target_service.engine.sampling_params import SamplingParams
 from target_service.llm import LLM
-from target_service.sampling_params import SamplingParams
 
 
 def test_first_difference():

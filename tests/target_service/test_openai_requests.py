@@ -6,12 +6,12 @@ import pytest
 from openai_mock import CHAT, client_body, empty_chat, empty_completion, sse_reply
 from pydantic import ValidationError
 
-from target_service.api_errors import ApiError
-from target_service.openai_protocol import (
+from target_service.engine.sampling_params import SamplingParams
+from target_service.serving.api_errors import ApiError
+from target_service.serving.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
 )
-from target_service.sampling_params import SamplingParams
 
 # ---- requests as the openai client sends them ---------------------------------------------------
 

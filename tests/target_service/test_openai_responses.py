@@ -13,8 +13,8 @@ from openai_mock import (
     sse_reply,
 )
 
-from target_service.api_errors import ApiError
-from target_service.openai_protocol import (
+from target_service.serving.api_errors import ApiError
+from target_service.serving.openai_protocol import (
     AssistantMessage,
     ChatCompletionChoice,
     ChatCompletionResponse,

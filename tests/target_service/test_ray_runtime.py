@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from target_service import ray_runtime
+from target_service.assembly import ray_runtime
 
 
 class FakeRay:

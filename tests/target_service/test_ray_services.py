@@ -19,8 +19,8 @@ import pytest
 import torch
 from engine_helpers import make_pair, random_prompts
 
+from target_service.engine.sampling_params import SamplingParams
 from target_service.llm import LLM
-from target_service.sampling_params import SamplingParams
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray"), pytest.mark.usefixtures("ray_machine")]
 VOCAB = 160
@@ -33,7 +33,7 @@ WAIT_S = 120
 def ray_local(ray_machine):
     import ray
 
-    from target_service.ray_runtime import start_ray
+    from target_service.assembly.ray_runtime import start_ray
 
     started = start_ray(None, num_cpus=4)
     yield ray
@@ -50,8 +50,8 @@ _replicas = iter(range(100))
 
 
 def start_trio(target, drafter, **settings):
-    from target_service.engine_args import EngineArgs
-    from target_service.ray_services import RayServices
+    from target_service.assembly.engine_args import EngineArgs
+    from target_service.assembly.ray_services import RayServices
 
     args = EngineArgs(target=str(target), drafter=None if drafter is None else str(drafter), **settings)
     return RayServices(args, replica=next(_replicas)).start()
@@ -97,7 +97,7 @@ def test_ray_services_equal_the_in_process_engine_token_for_token(ray_local, sto
     must equal the in-process engine's, so the drafter actor read the same context the in-process
     drafter would have (greedy outputs alone are lossless whatever the drafts). With an fp8 target
     cache the target actor maps fp8 pages the pool actor sized."""
-    from target_service.demo import resolve_pair
+    from target_service.assembly.demo import resolve_pair
 
     target, drafter = resolve_pair(None, None)
     settings = dict(SETTINGS, context_storage=storage, num_speculative_tokens=k, kv_cache_memory="16MiB",
@@ -216,7 +216,7 @@ def test_pool_death_recomputes_into_the_restarted_pool(ray_local, pair):
 
 
 def test_target_death_fails_its_requests_clearly_and_the_restart_serves(ray_local, pair):
-    from target_service.ray_services import ServiceFailed
+    from target_service.assembly.ray_services import ServiceFailed
 
     with k7_trio_and_reference(pair, 3, 16) as (services, prompts, expected):
         refs = kill_mid_generation(services, random_prompts(4, VOCAB), 200, "target")
@@ -272,8 +272,8 @@ def test_ray_services_refuse_bad_input_with_one_line_errors(ray_local, pair, tmp
     with pytest.raises(ValueError, match="services must be 'inprocess' or 'ray'"):
         LLM(str(target), str(drafter), services="grpc", **SETTINGS)
 
-    from target_service.engine_args import EngineArgs
-    from target_service.ray_services import RayServices, ServiceStartError
+    from target_service.assembly.engine_args import EngineArgs
+    from target_service.assembly.ray_services import RayServices, ServiceStartError
 
     with pytest.raises(ValueError, match=r"holds 0 blocks.*give more kv_cache_memory"):
         start_trio(target, drafter, **dict(SETTINGS, kv_cache_memory="4KiB"))

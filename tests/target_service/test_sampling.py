@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from target_service.sampling import accept_drafts, choose_tokens, filter_logits
-from target_service.sampling_params import SamplingParams
+from target_service.engine.sampling_params import SamplingParams
+from target_service.runner.sampling import accept_drafts, choose_tokens, filter_logits
 
 
 @pytest.mark.parametrize(

@@ -23,10 +23,10 @@ from drafter_service.assembler import DrafterArgs, DrafterAssembler
 from kvpool_service.assembler import PoolArgs, build_pool
 from kvpool_service.client import KVPoolClient
 from kvpool_service.server import BackgroundServer
-from target_service.assembler import TargetAssembler
-from target_service.engine_args import EngineArgs
+from target_service.assembly.assembler import TargetAssembler
+from target_service.assembly.engine_args import EngineArgs
+from target_service.engine.sampling_params import SamplingParams
 from target_service.llm import LLM
-from target_service.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 SPAWN = multiprocessing.get_context("spawn")

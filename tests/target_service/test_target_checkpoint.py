@@ -7,10 +7,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import target_service.checkpoint as checkpoint_module
+import target_service.runner.checkpoint as checkpoint_module
 from foundation.checkpoint_config import ConfigError
 from foundation.weights import CheckpointError
-from target_service.checkpoint import load_target, open_target_checkpoint
+from target_service.runner.checkpoint import load_target, open_target_checkpoint
 from tests.tiny_checkpoints import write_target_checkpoint
 
 

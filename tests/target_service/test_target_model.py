@@ -10,8 +10,8 @@ import random
 import pytest
 import torch
 
-from target_service.checkpoint import load_target
-from target_service.forward_batch import ForwardBatch, SeqChunk, pack
+from target_service.runner.checkpoint import load_target
+from target_service.runner.forward_batch import ForwardBatch, SeqChunk, pack
 from tests.tiny_checkpoints import LLAMA3_ROPE, write_target_checkpoint
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing may come from a hub

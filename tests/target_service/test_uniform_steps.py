@@ -4,8 +4,8 @@ allowed fewer drafts (near its max_tokens) has the extra ones verified and never
 import torch
 from engine_helpers import make_pair, random_prompts
 
+from target_service.engine.sampling_params import SamplingParams
 from target_service.llm import LLM
-from target_service.sampling_params import SamplingParams
 
 
 def test_scheduler_verifies_k_rows_for_every_decode_and_counts_only_the_usable_drafts(tmp_path):

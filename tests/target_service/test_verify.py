@@ -1,4 +1,4 @@
-"""Verification on the device (`target_service.verify`) against the accept rule stated over plain
+"""Verification on the device (`target_service.runner.verify`) against the accept rule stated over plain
 ints (`sampling.accept_drafts`) and a host-built packing, over fresh random steps."""
 
 import random
@@ -6,8 +6,8 @@ import random
 import pytest
 import torch
 
-from target_service.sampling import accept_drafts
-from target_service.verify import DraftIndex
+from target_service.runner.sampling import accept_drafts
+from target_service.runner.verify import DraftIndex
 
 VOCAB = 5  # a tiny vocabulary, so drafts match the target often and every accepted length occurs
 

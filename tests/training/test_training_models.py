@@ -17,7 +17,7 @@ from tiny_checkpoints import write_target_checkpoint
 from drafter_service.checkpoint import load_drafter
 from drafter_service.draft_batch import DraftBatch
 from foundation.checkpoint_config import DrafterConfig, TargetConfig, load_target_config
-from target_service.model import target_weight_layout
+from target_service.runner.model import target_weight_layout
 from training.anchors import build_blocks, sample_anchors, weighted_block_loss
 from training.dense_drafter import DenseDFlashDrafter
 from training.dense_target import DenseQwen3, causal_lm_loss

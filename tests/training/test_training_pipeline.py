@@ -17,7 +17,7 @@ from tiny_checkpoints import write_target_checkpoint
 from dflash_cli.main import main
 from drafter_service.checkpoint import load_drafter
 from foundation.weights import TensorIndex
-from target_service.checkpoint import load_target
+from target_service.runner.checkpoint import load_target
 from training.corpus import Document, is_held_out, split_documents
 from training.evaluate import is_table_like
 from training.export import save_sharded

@@ -15,7 +15,7 @@ import torch
 
 from foundation.host_transfer import to_device
 from kernels import PAD_SLOT
-from target_service.forward_batch import ForwardBatch
+from target_service.runner.forward_batch import ForwardBatch
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
-from target_service.sampling_params import SamplingParams
+from target_service.engine.sampling_params import SamplingParams
 
 
 def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

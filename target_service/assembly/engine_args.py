@@ -37,7 +37,7 @@ class EngineArgs(BaseModel):
     enable_prefix_caching: bool = True
     seed: int | None = None
     enforce_eager: bool = False  # no CUDA graphs (they are captured only on a GPU)
-    async_scheduling: bool = True  # queue the next step before reading this one (target_service.step_ahead)
+    async_scheduling: bool = True  # queue the next step before reading this one
     cuda_graph_sizes: list[int] | None = None  # batch sizes to capture (default: 1-8, then to 64)
 
     # Field validators, not one model validator: an error then carries the field's name (the CLI

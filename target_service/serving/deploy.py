@@ -30,11 +30,11 @@ from collections.abc import Iterator
 import ray
 from ray import serve
 
-from target_service import ray_runtime
-from target_service.api import create_app, slot_named
-from target_service.ray_services import service_bundle
-from target_service.replica import Replica
-from target_service.serve_args import ServeArgs
+from target_service.assembly import ray_runtime
+from target_service.assembly.ray_services import service_bundle
+from target_service.serving.api import create_app, slot_named
+from target_service.serving.replica import Replica
+from target_service.serving.serve_args import ServeArgs
 
 logger = logging.getLogger(__name__)
 
@@ -147,7 +147,7 @@ def build_application(args: ServeArgs):
 
 def app_builder(config: dict):
     """The application for a Ray Serve config file (KubeRay's serveConfigV2): `import_path:
-    target_service.deploy:app_builder`, with `args` holding `dflash serve`'s settings by their field
+    target_service.serving.deploy:app_builder`, with `args` holding `dflash serve`'s settings by their field
     names (validated like the command's flags)."""
     return build_application(ServeArgs(**config))
 

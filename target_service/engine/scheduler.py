@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from kvpool_service.control import CommitRequest, OpenRequest, ReserveRequest
 from kvpool_service.errors import PoolExhausted
-from target_service.sequence import Sequence, SequenceStatus
+from target_service.engine.sequence import Sequence, SequenceStatus
 
 logger = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels import PAD_SLOT
-from target_service.forward_batch import ForwardBatch
+from target_service.runner.forward_batch import ForwardBatch
 
 logger = logging.getLogger(__name__)
 

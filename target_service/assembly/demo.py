@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-DEMO_DIR = Path(__file__).resolve().parent / "demo_models"
+DEMO_DIR = Path(__file__).resolve().parent.parent / "demo_models"
 NO_DRAFTER = "none"
 
 

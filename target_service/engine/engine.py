@@ -22,18 +22,18 @@ from drafter_service.control import DraftControl, DrafterUnavailable
 from drafter_service.step_buffers import StepBuffers
 from foundation.host_transfer import HostReadback, to_device
 from kvpool_service.control import PoolLimits
-from target_service.context_rows import SeqTaps, select_context_rows
-from target_service.cuda_graphs import GraphKey, TargetGraphs
-from target_service.forward_batch import ForwardBatch, pack
-from target_service.outputs import SpecDecodeStats
-from target_service.sampling import choose_tokens
-from target_service.sampling_params import SamplingParams
-from target_service.scheduler import DecodeWork, PrefillChunk, Scheduler, SchedulerOutput
-from target_service.sequence import Sequence
-from target_service.step_ahead import next_inputs, plan_ahead, uniform_decode_batch
-from target_service.step_layout import Rows, scheduled_layout, scheduled_seqs, uniform_layout
-from target_service.stop_checker import StopChecker
-from target_service.verify import DeviceDraftIndex
+from target_service.engine.outputs import SpecDecodeStats
+from target_service.engine.sampling_params import SamplingParams
+from target_service.engine.scheduler import DecodeWork, PrefillChunk, Scheduler, SchedulerOutput
+from target_service.engine.sequence import Sequence
+from target_service.engine.stop_checker import StopChecker
+from target_service.runner.context_rows import SeqTaps, select_context_rows
+from target_service.runner.cuda_graphs import GraphKey, TargetGraphs
+from target_service.runner.forward_batch import ForwardBatch, pack
+from target_service.runner.sampling import choose_tokens
+from target_service.runner.step_ahead import next_inputs, plan_ahead, uniform_decode_batch
+from target_service.runner.step_layout import Rows, scheduled_layout, scheduled_seqs, uniform_layout
+from target_service.runner.verify import DeviceDraftIndex
 
 logger = logging.getLogger(__name__)
 
@@ -154,10 +154,10 @@ class LLMEngine:
 
         Everything up to the context store is queued on the device before the host reads anything:
         the drafts go from the step buffers into the forward's inputs and the accepted lengths into
-        the context store on the device (`target_service.verify`); the host reads the target's tokens
+        the context store on the device (`target_service.runner.verify`); the host reads the target's tokens
         and the accepted lengths once, while the GPU stores the context. With `async_scheduling`, the
         next step is queued before that read when its inputs follow from this step's device results
-        (`target_service.step_ahead`): the host then checks stops and commits while the GPU runs it.
+        (`target_service.runner.step_ahead`): the host then checks stops and commits while the GPU runs it.
         """
         launched = self._ahead or self._launch_scheduled()
         self._ahead = launched  # should launching the next one fail, the next call still reads this
@@ -321,7 +321,7 @@ class LLMEngine:
         """One drafter call: every tap row of the step, rows past a decode's accepted prefix (and
         rows of sequences whose context has a gap) skipped.
 
-        The rows are selected on the device (`target_service.context_rows`): nothing waits for the GPU.
+        The rows are selected on the device (`target_service.runner.context_rows`): nothing waits for the GPU.
         """
         scheduled = scheduled_seqs(plan)
         if self.drafter is None or taps.shape[0] == 0 or not any(seq.has_context for seq in scheduled):

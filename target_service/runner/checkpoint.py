@@ -21,7 +21,7 @@ from tokenizers import Tokenizer
 
 from foundation.checkpoint_config import ConfigError, TargetConfig, check_rope, load_target_config
 from foundation.weights import CheckpointError, TensorIndex, check_tensors, load_weights, resolve_dtype
-from target_service.model import TargetModel, target_weight_layout
+from target_service.runner.model import TargetModel, target_weight_layout
 
 logger = logging.getLogger(__name__)
 

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from target_service.forward_batch import SeqChunk
-from target_service.scheduler import SchedulerOutput
-from target_service.sequence import Sequence
-from target_service.verify import DraftIndex
+from target_service.engine.scheduler import SchedulerOutput
+from target_service.engine.sequence import Sequence
+from target_service.runner.forward_batch import SeqChunk
+from target_service.runner.verify import DraftIndex
 
 
 @dataclass(frozen=True)

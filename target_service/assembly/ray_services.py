@@ -10,7 +10,7 @@ namespace `dflash`: `dflash-kvpool-<i>`, `dflash-drafter-<i>`, `dflash-target-<i
 Start-up order follows what each needs: the drafter and the target load their weights, the target
 measures the KV budget (on a GPU: what both models left), the pool is built from it, and then the
 target attaches to the pool and attaches the drafter to its step buffers. Every actor restarts
-after a crash (max_restarts=-1) and finds its peers by name; see `target_service.service` for what
+after a crash (max_restarts=-1) and finds its peers by name; see `target_service.assembly.service` for what
 each fault costs a request. Ray carries lifecycle, placement and health only: per step the target
 and the drafter meet on the shared-memory step channel, and the target reaches the pool's block
 manager through gRPC (`kvpool_service.leased_control`).
@@ -29,10 +29,10 @@ from drafter_service.assembler import DrafterArgs
 from drafter_service.service import DrafterService
 from kvpool_service.assembler import size_pool
 from kvpool_service.service import KVPoolService, PoolInfo
-from target_service.engine_args import EngineArgs
-from target_service.ray_runtime import NAMESPACE, start_ray
-from target_service.sampling_params import SamplingParams
-from target_service.service import GenerationResult, TargetService
+from target_service.assembly.engine_args import EngineArgs
+from target_service.assembly.ray_runtime import NAMESPACE, start_ray
+from target_service.assembly.service import GenerationResult, TargetService
+from target_service.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -219,7 +219,7 @@ class RayServices:
         return "cuda" if self.device.type == "cuda" else "cpu"
 
     def _dtype(self) -> str | None:
-        from target_service.engine_args import compute_dtype
+        from target_service.assembly.engine_args import compute_dtype
 
         return compute_dtype(self.args.dtype, self.device)
 

@@ -20,8 +20,8 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, computed_field, field_validator
 
-from target_service.api_errors import ApiError
-from target_service.sampling_params import SamplingParams
+from target_service.engine.sampling_params import SamplingParams
+from target_service.serving.api_errors import ApiError
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 

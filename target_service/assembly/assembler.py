@@ -18,15 +18,20 @@ from foundation.checkpoint_config import check_drafter_fits, load_drafter_config
 from foundation.cuda_graph_sizes import capture_sizes
 from foundation.weights import resolve_dtype
 from kvpool_service.control import PoolControl
+from kvpool_service.geometry import DTYPE_NAMES, PoolSpec
 from kvpool_service.memory import PoolHandle, PoolMemory
-from kvpool_service.spec import DTYPE_NAMES, PoolSpec
-from target_service.checkpoint import load_target, open_target_checkpoint
-from target_service.cuda_graphs import GraphKey, TargetGraphs
-from target_service.engine import LLMEngine
-from target_service.engine_args import EngineArgs, compute_dtype, num_speculative_tokens, resolve_device
-from target_service.memory_budget import device_kv_budget
-from target_service.scheduler import Scheduler
-from target_service.stop_checker import StopChecker
+from target_service.assembly.engine_args import (
+    EngineArgs,
+    compute_dtype,
+    num_speculative_tokens,
+    resolve_device,
+)
+from target_service.engine.engine import LLMEngine
+from target_service.engine.scheduler import Scheduler
+from target_service.engine.stop_checker import StopChecker
+from target_service.runner.checkpoint import load_target, open_target_checkpoint
+from target_service.runner.cuda_graphs import GraphKey, TargetGraphs
+from target_service.runner.memory_budget import device_kv_budget
 
 logger = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ from foundation.weights import WeightSlot, empty_param, token_tables_layout
 from kernels import paged_attention, store_kv
 from kernels.fused_layers import norm_rope, rms_norm, silu_and_mul
 from kernels.layers import RotaryEmbedding
-from target_service.forward_batch import ForwardBatch
+from target_service.runner.forward_batch import ForwardBatch
 
 QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM",)
 
@@ -116,7 +116,7 @@ def target_weight_layout(config: TargetConfig) -> dict[str, WeightSlot]:
 
 class TargetModel(nn.Module):
     """Qwen3ForCausalLM / LlamaForCausalLM over paged K/V. Weights start uninitialised: load them
-    with `target_service.checkpoint.load_target` (or `load_weights` plus `target_weight_layout`).
+    with `target_service.runner.checkpoint.load_target` (or `load_weights` plus `target_weight_layout`).
     """
 
     def __init__(self, config: TargetConfig, *, tap_layer_ids: Iterable[int] = (),

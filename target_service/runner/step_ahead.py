@@ -24,8 +24,8 @@ import torch
 
 from kvpool_service.control import ReserveRequest
 from kvpool_service.errors import PoolExhausted
-from target_service.forward_batch import ForwardBatch
-from target_service.scheduler import DecodeWork, Scheduler, SchedulerOutput
+from target_service.engine.scheduler import DecodeWork, Scheduler, SchedulerOutput
+from target_service.runner.forward_batch import ForwardBatch
 
 
 def plan_ahead(scheduler: Scheduler, current: SchedulerOutput, num_drafts: list[int],

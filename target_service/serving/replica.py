@@ -7,7 +7,7 @@ Ray actors this replica starts (`RayServices`: in the replica's own placement gr
 bundles 1-3), the server drives the target actor through `RemoteEngine`, and the admin port is the
 pool actor's own gRPC port (token auth with the admin token). The HTTP contract is the same.
 
-A Ray Serve replica (`target_service.deploy`) only constructs one and delegates; tests build one
+A Ray Serve replica (`target_service.serving.deploy`) only constructs one and delegates; tests build one
 directly.
 """
 
@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import logging
 
-from kvpool_service.server import BackgroundServer, load_token
-from target_service.async_engine import AsyncEngine
-from target_service.in_process import build_engine
-from target_service.metrics import ServerMetrics
-from target_service.openai_server import OpenAIServer
-from target_service.serve_args import ServeArgs
+from foundation.secret_file import API_KEY_ENV, POOL_TOKEN_ENV, load_secret
+from kvpool_service.server import BackgroundServer
+from target_service.assembly.in_process import build_engine
+from target_service.engine.async_engine import AsyncEngine
+from target_service.serving.metrics import ServerMetrics
+from target_service.serving.openai_server import OpenAIServer
+from target_service.serving.serve_args import ServeArgs
 
 logger = logging.getLogger(__name__)
 
@@ -43,11 +44,11 @@ class Replica:
             if admin_port is not None:
                 pool = self.assembly.pool
                 self.admin = BackgroundServer(pool.blocks, pool.layout, host=args.host, port=admin_port,
-                                              token=load_token(args.admin_token_file), read_only=True).start()
+                                              token=self._admin_token(args), read_only=True).start()
                 logger.info("replica %d: admin gRPC on %s", rank, self.admin.address)
         self.metrics = ServerMetrics(self.async_engine, model_name=args.model_name, replica=str(rank),
                                      groups=groups)
-        api_key = load_token(args.api_key_file, env="DFLASH_API_KEY")
+        api_key = load_secret(args.api_key_file, env=API_KEY_ENV, what="API key")
         self.server = OpenAIServer(self.async_engine, tokenizer, model_name=args.model_name,
                                    max_model_len=max_model_len, target_dir=engine_args.target,
                                    metrics=self.metrics, api_key=api_key)
@@ -56,13 +57,13 @@ class Replica:
         """The pool, drafter and target as Ray actors; the pool's gRPC port is the admin port."""
         from ray.util import get_current_placement_group
 
-        from target_service.checkpoint import open_target_checkpoint
-        from target_service.ray_services import RayServices
-        from target_service.remote_engine import RemoteEngine
+        from target_service.assembly.ray_services import RayServices
+        from target_service.assembly.remote_engine import RemoteEngine
+        from target_service.runner.checkpoint import open_target_checkpoint
 
         placement = get_current_placement_group()  # a Serve replica's: its own bundle, then the trio's
         self.services = RayServices(engine_args, replica=rank, address=args.address, pool_host=args.host,
-                                    pool_port=admin_port or 0, pool_token=load_token(args.admin_token_file),
+                                    pool_port=admin_port or 0, pool_token=self._admin_token(args),
                                     placement=placement,
                                     bundles=(1, 2, 3) if placement else (0, 1, 2)).start()
         self.async_engine = RemoteEngine(self.services, max_num_seqs=args.max_num_seqs,
@@ -72,6 +73,10 @@ class Replica:
                     pool.address)
         groups = [group.name for group in pool.handle.layout.spec.groups]
         return open_target_checkpoint(engine_args.target).tokenizer, self.services.max_model_len, groups
+
+    @staticmethod
+    def _admin_token(args: ServeArgs) -> str | None:
+        return load_secret(args.admin_token_file, env=POOL_TOKEN_ENV)
 
     def close(self, drain_timeout_s: float = 30.0) -> None:
         """Refuse new requests, let the running ones finish, then release everything."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from target_service.sequence import Sequence
+from target_service.engine.sequence import Sequence
 
 
 class StopChecker:

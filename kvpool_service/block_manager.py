@@ -43,7 +43,7 @@ from kvpool_service.sequence_blocks import (
 )
 
 if TYPE_CHECKING:
-    from kvpool_service.spec import PoolLayout
+    from kvpool_service.geometry import PoolLayout
 
 class _OpenPlan(NamedTuple):
     seq_id: int

@@ -28,15 +28,15 @@ from foundation.step_channel import StepChannel
 from kvpool_service.assembler import PoolArgs
 from kvpool_service.errors import PoolError
 from kvpool_service.leased_control import LeasedPoolControl
+from kvpool_service.metered_client import MeteredKVPoolClient
 from kvpool_service.service import PoolInfo
-from kvpool_service.traffic import MeteredKVPoolClient
-from target_service.assembler import TargetAssembler
-from target_service.async_engine import AsyncEngine, EngineDead
-from target_service.draft_link import DrafterLink
-from target_service.engine_args import EngineArgs
-from target_service.outputs import SpecDecodeStats
-from target_service.pool_failover import PoolFailover
-from target_service.sampling_params import SamplingParams
+from target_service.assembly.assembler import TargetAssembler
+from target_service.assembly.draft_link import DrafterLink
+from target_service.assembly.engine_args import EngineArgs
+from target_service.assembly.pool_failover import PoolFailover
+from target_service.engine.async_engine import AsyncEngine, EngineDead
+from target_service.engine.outputs import SpecDecodeStats
+from target_service.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

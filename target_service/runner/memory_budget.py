@@ -6,7 +6,7 @@ import logging
 
 import torch
 
-from target_service.forward_batch import SeqChunk, pack
+from target_service.runner.forward_batch import SeqChunk, pack
 
 logger = logging.getLogger(__name__)
 

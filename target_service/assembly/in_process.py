@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 
 from drafter_service.assembler import DrafterArgs, DrafterAssembler
 from kvpool_service.assembler import KVPool, PoolArgs, build_pool
-from target_service.assembler import TargetAssembler
-from target_service.engine import LLMEngine
-from target_service.engine_args import EngineArgs
+from target_service.assembly.assembler import TargetAssembler
+from target_service.assembly.engine_args import EngineArgs
+from target_service.engine.engine import LLMEngine
 
 
 @dataclass

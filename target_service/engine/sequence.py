@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from target_service.outputs import SpecDecodeStats
-from target_service.sampling_params import SamplingParams
+from target_service.engine.outputs import SpecDecodeStats
+from target_service.engine.sampling_params import SamplingParams
 
 
 class SequenceStatus(enum.Enum):

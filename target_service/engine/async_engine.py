@@ -24,8 +24,8 @@ import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from target_service.outputs import SpecDecodeStats
-from target_service.sampling_params import SamplingParams
+from target_service.engine.outputs import SpecDecodeStats
+from target_service.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

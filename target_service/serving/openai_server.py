@@ -14,10 +14,10 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from target_service.api_errors import ApiError
-from target_service.async_engine import AsyncEngine, EngineDead, QueueFull
-from target_service.chat_template import load_chat_template
-from target_service.openai_protocol import (
+from target_service.engine.async_engine import AsyncEngine, EngineDead, QueueFull
+from target_service.serving.api_errors import ApiError
+from target_service.serving.chat_template import load_chat_template
+from target_service.serving.openai_protocol import (
     SSE_DONE,
     AssistantMessage,
     ChatCompletionChoice,

@@ -16,9 +16,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from target_service.api_errors import ApiError
-from target_service.openai_protocol import ChatCompletionRequest, CompletionRequest
-from target_service.openai_server import OpenAIServer
+from target_service.serving.api_errors import ApiError
+from target_service.serving.openai_protocol import ChatCompletionRequest, CompletionRequest
+from target_service.serving.openai_server import OpenAIServer
 
 DISCONNECT_POLL_S = 0.1
 

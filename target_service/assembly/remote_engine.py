@@ -17,8 +17,8 @@ import logging
 import time
 from collections.abc import AsyncIterator
 
-from target_service.async_engine import EngineDead, EngineSnapshot, QueueFull, RequestDelta
-from target_service.sampling_params import SamplingParams
+from target_service.engine.async_engine import EngineDead, EngineSnapshot, QueueFull, RequestDelta
+from target_service.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ class RemoteEngine:
     def check(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """The target's own refusal (ValueError) of a request that could never run; EngineDead when
         the target cannot answer (it died and is not back within its start-up time)."""
-        from target_service.ray_services import ServiceFailed
+        from target_service.assembly.ray_services import ServiceFailed
 
         try:
             self.services.check(prompt_token_ids, params)

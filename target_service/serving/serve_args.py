@@ -10,8 +10,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from foundation.byte_size import parse_byte_size
 from foundation.device_name import check_device_name
-from target_service.demo import resolve_pair
-from target_service.engine_args import EngineArgs
+from target_service.assembly.demo import resolve_pair
+from target_service.assembly.engine_args import EngineArgs
 
 
 class ServeArgs(BaseModel):
@@ -44,7 +44,7 @@ class ServeArgs(BaseModel):
     # in for a GPU on a CPU cluster; the flag takes JSON
     replica_resources: dict[str, float] = Field(default_factory=dict)
     # "inprocess": a replica runs the engine itself; "ray": it drives the pool, drafter and target as
-    # three Ray actors of its own (target_service.ray_services), in its placement group
+    # three Ray actors of its own (target_service.assembly.ray_services), in its placement group
     services: Literal["inprocess", "ray"] = "inprocess"
 
     @field_validator("kv_cache_memory")
