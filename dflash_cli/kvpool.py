@@ -71,10 +71,10 @@ def build_pool(args: argparse.Namespace):
     bytes, its memory shared (/dev/shm without a GPU) so engines on this node can map it."""
     import torch
 
+    from foundation.device_name import resolve_device
     from foundation.shm import SHM_DIR
     from kvpool_service.assembler import MIN_BLOCKS, PoolArgs
     from kvpool_service.assembler import build_pool as assemble_pool
-    from target_service.assembly.engine_args import resolve_device
 
     _check_args(args)
     target = load_target_config(args.target)

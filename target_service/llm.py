@@ -86,7 +86,7 @@ class LLM:
             self.engine.step()
         outputs = [self._output(prompt, seq) for prompt, seq in zip(prompts, seqs)]
         for seq in seqs:
-            del self.engine.sequences[seq.request_id]
+            self.engine.release(seq.request_id)
         return outputs
 
     def close(self) -> None:
@@ -131,7 +131,7 @@ class LLM:
                              [completion], True, result.spec_decode)
 
     def _output(self, prompt, seq: Sequence) -> RequestOutput:
-        text = self.engine.stop_checker.output_text(seq)
+        text = self.engine.output_text(seq)
         completion = CompletionOutput(0, text, list(seq.output_token_ids), seq.finish_reason)
         return RequestOutput(seq.request_id, prompt if isinstance(prompt, str) else None,
                              list(seq.prompt_token_ids), [completion], seq.is_finished,

@@ -6,10 +6,11 @@ from __future__ import annotations
 import torch
 from tiny_checkpoints import write_drafter_checkpoint, write_target_checkpoint
 
-from drafter_service.assembler import DrafterArgs, DrafterAssembler
-from kvpool_service.assembler import PoolArgs, build_pool
+from drafter_service.assembler import DrafterAssembler
+from kvpool_service.assembler import build_pool
 from target_service.assembly.assembler import TargetAssembler
 from target_service.assembly.engine_args import EngineArgs
+from target_service.assembly.plan import resolve_plan
 
 TOKENS_PER_BLOCK = 16
 
@@ -22,10 +23,9 @@ def make_draft_worker(tmp_path, *, block_size: int = 8, max_num_seqs: int = 4, m
     args = EngineArgs(target=str(target), drafter=str(drafter), device="cpu",
                       tokens_per_block=TOKENS_PER_BLOCK, max_num_seqs=max_num_seqs,
                       max_model_len=max_model_len, kv_cache_memory="1MiB")
-    sizer = TargetAssembler(args)
-    pool = build_pool(PoolArgs(spec=sizer.pool_spec(), budget_bytes=sizer.kv_budget(),
-                               max_num_seqs=max_num_seqs, max_model_len=max_model_len, share=False))
+    plan = resolve_plan(args)
+    sizer = TargetAssembler(plan)
+    pool = build_pool(plan.pool_args(sizer.kv_budget(), share=False))
     buffers = sizer.create_step_buffers(share=False)
-    assembler = DrafterAssembler(DrafterArgs(drafter=str(drafter), target=str(target), dtype=sizer.dtype,
-                                             max_num_seqs=max_num_seqs, max_model_len=max_model_len))
+    assembler = DrafterAssembler(plan.drafter_args())
     return assembler.load().build(pool.handle, buffers.export()), buffers, pool

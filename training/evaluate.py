@@ -108,25 +108,27 @@ def evaluate_pair(target: str, drafter: str, prompts: list[list[int]], *, num_sp
         tables = [is_table_like(text) for text in texts]
         dflash = spec.generate(prompts, params)
         per_position = {"dflash": spec.stats.accepted_per_position}
-        spec.engine.stats = SpecDecodeStats()  # engine-wide counters: one set per drafter
-        spec.engine.drafter, dflash_worker = PromptLookupDrafter(spec.engine), spec.engine.drafter
+        spec.engine.reset_stats()  # engine-wide counters: one set per drafter
+        runner = spec.assembly.runner
+        lookup_drafter = PromptLookupDrafter(spec.engine, runner.step_buffers,
+                                             block_size=runner.drafter.block_size)
+        dflash_worker = runner.swap_drafter(lookup_drafter)
         lookup = spec.generate(prompts, params)
         per_position["prompt_lookup"] = spec.stats.accepted_per_position
         lossless = [d.outputs[0].token_ids == r.outputs[0].token_ids for d, r in zip(dflash, reference)]
         lookup_lossless = [x.outputs[0].token_ids == r.outputs[0].token_ids
                            for x, r in zip(lookup, reference)]
-        lookup_drafter = spec.engine.drafter
         timed = prompts[:timing_prompts]
 
         def run(llm: LLM, drafter):
             def generate(prompt: list[int]) -> int:
-                llm.engine.drafter = drafter
+                llm.assembly.runner.swap_drafter(drafter)
                 return len(llm.generate([prompt], params)[0].outputs[0].token_ids)
             return generate
 
         timing = timed_side_by_side({"plain": run(plain, None), "dflash": run(spec, dflash_worker),
                                      "prompt_lookup": run(spec, lookup_drafter)}, timed, timing_rounds)
-        spec.engine.drafter = dflash_worker
+        runner.swap_drafter(dflash_worker)
     finally:
         plain.close()
         spec.close()

@@ -32,10 +32,11 @@ def lookup(tokens: list[int], num_draft: int, *, max_ngram: int = 3, min_ngram: 
 class PromptLookupDrafter:
     """Engine drafter double: proposes by `lookup` over each sequence's tokens; stores nothing."""
 
-    def __init__(self, engine, *, max_ngram: int = 3, min_ngram: int = 1):
-        self.engine = engine
+    def __init__(self, engine, step_buffers, *, block_size: int, max_ngram: int = 3, min_ngram: int = 1):
+        """engine: the `LLMEngine` whose running sequences it reads; step_buffers: its runner's."""
+        self.engine, self.step_buffers = engine, step_buffers
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
-        self.block_size = engine.drafter.block_size if engine.drafter is not None else 16
+        self.block_size = block_size
 
     def store_context(self, num_rows: int) -> None:
         """Nothing to store: the proposal is read off the tokens."""
@@ -45,8 +46,8 @@ class PromptLookupDrafter:
 
     def propose(self, num_seqs: int, num_draft: int, num_block_cols: int) -> None:
         """Drafts for the step buffers' first num_seqs sequences, written where the engine reads them."""
-        buffers = self.engine.step_buffers
-        by_slot = {seq.slot: seq for seq in self.engine.scheduler.running}
+        buffers = self.step_buffers
+        by_slot = {seq.slot: seq for seq in self.engine.running_sequences()}
         rows = []
         slots, starts = buffers.seq_slots[:num_seqs].tolist(), buffers.start_positions[:num_seqs].tolist()
         for slot, start in zip(slots, starts):

@@ -19,7 +19,7 @@ from tokenizers import Tokenizer
 
 from foundation.byte_size import parse_byte_size
 from foundation.checkpoint_config import TargetConfig
-from target_service.assembly.engine_args import resolve_device
+from foundation.device_name import resolve_device
 from training.corpus import (
     encode_documents,
     load_documents,

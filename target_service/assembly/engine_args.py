@@ -1,14 +1,11 @@
-"""EngineArgs: every engine setting, validated once; field names are the CLI's and `LLM`'s.
-
-Also the two decisions every assembler of this process makes the same way: which device, and
-which compute dtype when none is asked for.
+"""EngineArgs: every engine setting as the user gave it, validated field by field; names are the
+CLI's and `LLM`'s. What follows from them and the checkpoints is worked out once, in `EnginePlan`.
 """
 
 from __future__ import annotations
 
 from typing import Literal
 
-import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from foundation.byte_size import parse_byte_size
@@ -53,42 +50,3 @@ class EngineArgs(BaseModel):
     @classmethod
     def _device(cls, value: str | None) -> str | None:
         return value if value is None else check_device_name(value)
-
-
-def resolve_device(name: str | None) -> torch.device:
-    """`name` as a device (None: cuda when available); asking for CUDA without it is an error."""
-    if name is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {name!r} was asked for but CUDA is not available")
-    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
-        count = torch.cuda.device_count()
-        have = "1 CUDA device (cuda:0)" if count == 1 else f"{count} CUDA devices (cuda:0..cuda:{count - 1})"
-        raise ValueError(f"device {name!r} was asked for but this machine has {have}")
-    return device
-
-
-def compute_dtype(asked: str | None, device: torch.device) -> str | None:
-    """The dtype asked for; with none, float32 on CPU and the checkpoint's own dtype (None) elsewhere.
-
-    CPUs have no fast 16-bit matrix units to gain from, and 16-bit weights are exact in float32,
-    so a CPU engine computes in float32 by default: greedy decoding with a drafter is then lossless
-    bit for bit (bf16 verify blocks and 1-token decodes round near-ties differently).
-    """
-    if asked is not None:
-        return asked
-    return "float32" if device.type == "cpu" else None
-
-
-def num_speculative_tokens(asked: int | None, block_size: int | None) -> int:
-    """K for a drafter of `block_size` (None: no drafter): at most block_size - 1, that by default."""
-    if block_size is None:
-        if asked:
-            raise ValueError("num_speculative_tokens needs a drafter")
-        return 0
-    limit = block_size - 1
-    value = asked or limit
-    if value > limit:
-        raise ValueError(f"num_speculative_tokens {value} exceeds the drafter's block_size - 1 = {limit}")
-    return value

@@ -8,13 +8,17 @@ passes are in-process ones, which refuse to be pickled.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from drafter_service.assembler import DrafterArgs, DrafterAssembler
-from kvpool_service.assembler import KVPool, PoolArgs, build_pool
+from drafter_service.assembler import DrafterAssembler
+from kvpool_service.assembler import KVPool, build_pool
+from kvpool_service.control import PoolControl
 from target_service.assembly.assembler import TargetAssembler
 from target_service.assembly.engine_args import EngineArgs
+from target_service.assembly.plan import EnginePlan, resolve_plan
 from target_service.engine.engine import LLMEngine
+from target_service.runner.model_runner import ModelRunner
 
 
 @dataclass
@@ -22,8 +26,11 @@ class InProcessEngine:
     """The engine and what it was assembled from; `close()` releases the pool and the buffers."""
 
     engine: LLMEngine
+    runner: ModelRunner
+    plan: EnginePlan
     tokenizer: object  # tokenizers.Tokenizer, or None for a checkpoint without tokenizer.json
     pool: KVPool
+    drafter: DrafterAssembler | None = None
     _closers: list = field(default_factory=list, repr=False)
 
     def close(self) -> None:
@@ -32,22 +39,20 @@ class InProcessEngine:
         self.pool.close()
 
 
-def build_engine(args: EngineArgs) -> InProcessEngine:
-    target = TargetAssembler(args)
-    drafter = None
-    if args.drafter is not None:
-        drafter = DrafterAssembler(DrafterArgs(
-            drafter=args.drafter, target=args.target, dtype=target.dtype, device=str(target.device),
-            context_storage=args.context_storage, max_num_seqs=args.max_num_seqs,
-            max_model_len=target.max_model_len, enforce_eager=args.enforce_eager,
-            cuda_graph_sizes=args.cuda_graph_sizes)).load()
+def build_engine(args: EngineArgs, *,
+                 control: Callable[[KVPool], PoolControl] | None = None) -> InProcessEngine:
+    """The three services assembled here, in their start-up order.
+
+    control: the `PoolControl` the engine reaches the pool through, made from the pool (default: its
+    own block manager; the tests put a gRPC client to a server over it in between).
+    """
+    plan = resolve_plan(args)
+    target = TargetAssembler(plan)
+    drafter = DrafterAssembler(plan.drafter_args()).load() if args.drafter is not None else None
     target.load()  # both models' weights are in memory before a GPU budget is measured
-    pool = build_pool(PoolArgs(
-        spec=target.pool_spec(), budget_bytes=target.kv_budget(), context_storage=args.context_storage,
-        max_num_seqs=args.max_num_seqs, max_model_len=target.max_model_len,
-        enable_prefix_caching=args.enable_prefix_caching, device=str(target.device), share=False))
+    pool = build_pool(plan.pool_args(target.kv_budget(), share=False))
     buffers = target.create_step_buffers(share=False)
     worker = drafter.build(pool.handle, buffers.export()) if drafter is not None else None
-    engine = target.build(pool.control, pool.handle, worker)
+    engine = target.build(pool.control if control is None else control(pool), pool.handle, worker)
     closers = [target.close] + ([drafter.close] if drafter is not None else [])
-    return InProcessEngine(engine, target.checkpoint.tokenizer, pool, closers)
+    return InProcessEngine(engine, target.runner, plan, target.checkpoint.tokenizer, pool, drafter, closers)

@@ -7,29 +7,32 @@ Placement: one placement group per replica, three bundles STRICT_PACK (one node)
 own bundle and OS process, sharing the GPU through fractional GPU resources. Named actors in
 namespace `dflash`: `dflash-kvpool-<i>`, `dflash-drafter-<i>`, `dflash-target-<i>`.
 
-Start-up order follows what each needs: the drafter and the target load their weights, the target
-measures the KV budget (on a GPU: what both models left), the pool is built from it, and then the
-target attaches to the pool and attaches the drafter to its step buffers. Every actor restarts
-after a crash (max_restarts=-1) and finds its peers by name; see `target_service.assembly.service` for what
-each fault costs a request. Ray carries lifecycle, placement and health only: per step the target
-and the drafter meet on the shared-memory step channel, and the target reaches the pool's block
-manager through gRPC (`kvpool_service.leased_control`).
+The settings are resolved once into an `EnginePlan` (as `build_engine` resolves them, so both refuse
+the same things) before any actor starts, against the GPUs Ray will hand out: this machine's for the
+embedded local Ray, the cluster's when joining one. Start-up order follows what each needs: the
+drafter and the target load their weights, the target measures the KV budget (on a GPU: what both
+models left), the pool is built from it, and then the target attaches to the pool and attaches the
+drafter to its step buffers. Every actor restarts after a crash (max_restarts=-1) and finds its
+peers by name; see `target_service.assembly.service` for what each fault costs a request. Ray
+carries lifecycle, placement and health only: per step the target and the drafter meet on the
+shared-memory step channel, and the target reaches the pool's block manager through gRPC
+(`kvpool_service.leased_control`).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import torch
-
-from drafter_service.assembler import DrafterArgs
 from drafter_service.service import DrafterService
+from foundation.device_name import cuda_device_count
 from kvpool_service.assembler import size_pool
 from kvpool_service.service import KVPoolService, PoolInfo
 from target_service.assembly.engine_args import EngineArgs
+from target_service.assembly.plan import EnginePlan, resolve_plan
 from target_service.assembly.ray_runtime import NAMESPACE, start_ray
 from target_service.assembly.service import GenerationResult, TargetService
 from target_service.engine.sampling_params import SamplingParams
@@ -125,8 +128,7 @@ class RayServices:
         self.pool_host, self.pool_port, self.pool_token = pool_host, pool_port, pool_token
         self.lease_tokens = lease_tokens
         self.target_class = target_class
-        # The actors resolve the device where they run; this process (a Ray Serve replica) may see no GPU.
-        self.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.plan: EnginePlan | None = None  # as the actors run it; resolved by start()
         self.started_ray = False
         self.placement = placement
         self.owns_placement = placement is None
@@ -136,12 +138,17 @@ class RayServices:
     # ---- lifecycle ----------------------------------------------------------------------------------
 
     def start(self, timeout_s: float = STARTUP_TIMEOUT_S) -> RayServices:
+        import ray
         from ray.util.placement_group import placement_group
 
+        if not ray.is_initialized() and not (self.address or os.environ.get("RAY_ADDRESS")):
+            self.plan = self._resolve(cuda_device_count())  # the local Ray will hand out this machine's GPUs
         self.started_ray = start_ray(self.address)
         try:
+            if self.plan is None:
+                self.plan = self._resolve(self._cluster_gpus())
             if self.owns_placement:
-                bundles = [service_bundle(self.device.type)] * 3
+                bundles = [service_bundle(self.device_type)] * 3
                 self.placement = placement_group(bundles, strategy="STRICT_PACK",
                                                  name=f"dflash-services-{self.names.replica}")
             self._wait_for_placement(timeout_s)
@@ -150,6 +157,23 @@ class RayServices:
             self.close()
             raise
         return self
+
+    def _cluster_gpus(self) -> int:
+        """The GPUs the plan may count on in a running cluster: an autoscaling cluster adds GPU nodes
+        only when a placement asks for them, so CUDA asked for by name is not refused for lack of one
+        now (the placement's timeout says when none comes); with no device named, what is there now."""
+        import ray
+
+        gpus = int(ray.cluster_resources().get("GPU", 0))
+        asked = self.args.device or ""
+        return max(gpus, 1) if asked.startswith("cuda") else gpus
+
+    def _resolve(self, cuda_devices: int) -> EnginePlan:
+        return resolve_plan(self.args, cuda_devices=cuda_devices).for_ray_actors()
+
+    @property
+    def device_type(self) -> str:
+        return "cuda" if self.plan.device == "cuda" else "cpu"
 
     def _wait_for_placement(self, timeout_s: float) -> None:
         import ray
@@ -160,7 +184,7 @@ class RayServices:
         except GetTimeoutError:
             raise ServiceStartError(
                 f"no node had room for the services of replica {self.names.replica} within {timeout_s:g} s "
-                f"(three bundles of {service_bundle(self.device.type)} on one node)") from None
+                f"(three bundles of {service_bundle(self.device_type)} on one node)") from None
 
     def _options(self, name: str, service: int, **extra) -> dict:
         """Actor options of service 0 (pool), 1 (drafter) or 2 (target): its bundle, name, restarts."""
@@ -168,27 +192,22 @@ class RayServices:
 
         strategy = PlacementGroupSchedulingStrategy(self.placement,
                                                     placement_group_bundle_index=self.bundles[service])
-        gpus = GPU_SHARE if self.device.type == "cuda" else 0
+        gpus = GPU_SHARE if self.device_type == "cuda" else 0
         return dict(name=name, namespace=NAMESPACE, num_cpus=CPUS_PER_ACTOR, num_gpus=gpus,
                     max_restarts=-1, scheduling_strategy=strategy, **extra)
 
     def _start_actors(self, timeout_s: float) -> None:
         import ray
 
-        args, names = self.args, self.names
-        if args.drafter is not None:
-            drafter_args = DrafterArgs(
-                drafter=args.drafter, target=args.target, dtype=self._dtype(), device=self._device_name(),
-                context_storage=args.context_storage, max_num_seqs=args.max_num_seqs,
-                max_model_len=self._max_model_len(), enforce_eager=args.enforce_eager,
-                cuda_graph_sizes=args.cuda_graph_sizes)
+        plan, names = self.plan, self.names
+        if plan.drafter_config is not None:
             self.drafter = ray.remote(DrafterService).options(**self._options(names.drafter, 1)).remote(
-                drafter_args)
+                plan.drafter_args())
             # the drafter's weights are in before the target measures what memory is left
             self._started(self.drafter.describe.remote(), "drafter", timeout_s)
         extra = {} if self.lease_tokens is None else {"lease_tokens": self.lease_tokens}
         self.target = ray.remote(self.target_class).options(**self._options(names.target, 2)).remote(
-            args.model_copy(update={"device": self._device_name()}), RayPeers(names),
+            plan, RayPeers(names),
             pool_token=self.pool_token, **extra)
         pool_args = self._started(self.target.pool_args.remote(), "target", timeout_s)
         size_pool(pool_args.spec, pool_args.budget_bytes, context_storage=pool_args.context_storage,
@@ -214,23 +233,9 @@ class RayServices:
             raise ServiceStartError(f"the {what} service of replica {self.names.replica} could not start: "
                                     f"{lines[-1] if lines else type(error).__name__}") from None
 
-    def _device_name(self) -> str:
-        """Every actor sees its one GPU as cuda:0 (Ray sets CUDA_VISIBLE_DEVICES per actor)."""
-        return "cuda" if self.device.type == "cuda" else "cpu"
-
-    def _dtype(self) -> str | None:
-        from target_service.assembly.engine_args import compute_dtype
-
-        return compute_dtype(self.args.dtype, self.device)
-
     @property
     def max_model_len(self) -> int:
-        return self._max_model_len()
-
-    def _max_model_len(self) -> int:
-        from foundation.checkpoint_config import load_target_config
-
-        return self.args.max_model_len or load_target_config(self.args.target).max_position_embeddings
+        return self.plan.max_model_len
 
     def close(self) -> None:
         """Stop the three actors (no restart) and release their placement; stop Ray if we started it."""

@@ -17,7 +17,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 
-from target_service.engine.async_engine import EngineDead, EngineSnapshot, QueueFull, RequestDelta
+from target_service.engine.engine_client import EngineDead, EngineSnapshot, QueueFull, RequestDelta
 from target_service.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)

@@ -11,7 +11,7 @@ knows nothing of Ray. Faults it survives:
 - the drafter dies: the step channel sees its lock released, the engine goes on without speculation and
   the drafter is attached again when Ray has restarted it (`DrafterLink`);
 - the pool dies: the first failed control call finds the restarted pool, the engine moves onto it and
-  recomputes its running sequences (`PoolFailover`);
+  recomputes its running sequences (`LLMEngine`'s on_pool_lost, `_recover_pool` here);
 - this process dies: Ray restarts it; finding the pool up, it starts at once and first releases the
   sequences its previous incarnation left open.
 """
@@ -32,9 +32,10 @@ from kvpool_service.metered_client import MeteredKVPoolClient
 from kvpool_service.service import PoolInfo
 from target_service.assembly.assembler import TargetAssembler
 from target_service.assembly.draft_link import DrafterLink
-from target_service.assembly.engine_args import EngineArgs
-from target_service.assembly.pool_failover import PoolFailover
-from target_service.engine.async_engine import AsyncEngine, EngineDead
+from target_service.assembly.plan import EnginePlan
+from target_service.engine.async_engine import AsyncEngine
+from target_service.engine.engine import LLMEngine
+from target_service.engine.engine_client import EngineDead
 from target_service.engine.outputs import SpecDecodeStats
 from target_service.engine.sampling_params import SamplingParams
 
@@ -75,15 +76,16 @@ class GenerationResult:
 
 
 class TargetService:
-    def __init__(self, args: EngineArgs, peers: ServicePeers, *, pool_token: str | None = None,
+    def __init__(self, plan: EnginePlan, peers: ServicePeers, *, pool_token: str | None = None,
                  lease_tokens: int = DEFAULT_LEASE_TOKENS, max_waiting: int = 256):
-        self.args = args
+        """plan: the engine's plan as this actor runs it (`EnginePlan.for_ray_actors`)."""
+        self.plan = plan
         self.peers = peers
         self.pool_token = pool_token
         self.lease_tokens = lease_tokens
         self.max_waiting = max_waiting
-        self.assembler = TargetAssembler(args).load()
-        self.engine: PoolFailover | None = None
+        self.assembler = TargetAssembler(plan).load()
+        self.engine: LLMEngine | None = None
         self.async_engine: AsyncEngine | None = None
         self.link: DrafterLink | None = None
         self.control: LeasedPoolControl | None = None
@@ -96,11 +98,7 @@ class TargetService:
 
     def pool_args(self) -> PoolArgs:
         """What the pool service is built from: this pair's groups and the KV budget measured here."""
-        target, args = self.assembler, self.args
-        return PoolArgs(spec=target.pool_spec(), budget_bytes=target.kv_budget(),
-                        context_storage=args.context_storage, max_num_seqs=args.max_num_seqs,
-                        max_model_len=target.max_model_len, enable_prefix_caching=args.enable_prefix_caching,
-                        device=str(target.device), share=True)
+        return self.plan.pool_args(self.assembler.kv_budget(), share=True)
 
     def start(self) -> int:
         """Attach to the pool and the drafter and start serving; returns this process's pid."""
@@ -113,13 +111,13 @@ class TargetService:
         self.control = self._control(self.pool)
         buffers = self.assembler.create_step_buffers(share=True)
         if buffers is not None:
-            self.channel = StepChannel.create(device=str(self.assembler.device))
-            block_size = self.assembler.drafter_config.block_size
+            self.channel = StepChannel.create(device=self.plan.device)
+            block_size = self.plan.block_size
             control = ChannelDraftControl(self.channel, block_size, timeout_s=DRAFT_CALL_TIMEOUT_S)
             self.link = DrafterLink(control, self._reattach_drafter, block_size=block_size)
             self._reattach_drafter().result(ATTACH_TIMEOUT_S)
-        engine = self.assembler.build(self.control, self.pool.handle, self.link)
-        self.engine = PoolFailover(engine, self._recover_pool)
+        self.engine = self.assembler.build(self.control, self.pool.handle, self.link,
+                                           on_pool_lost=self._recover_pool)
         self._serve()
         logger.info("target service (pid %d) serving on pool epoch %d", os.getpid(), self.pool.epoch)
         return os.getpid()
@@ -152,7 +150,7 @@ class TargetService:
             raise error
         self._drop_control()
         self.pool, self.control = pool, self._control(pool)
-        requeued = self.assembler.rebind(self.engine.engine, self.control, pool.handle)
+        requeued = self.assembler.rebind(self.engine, self.control, pool.handle)
         if self.link is not None:  # the drafter's context lives in the new pool's spec layers now
             self._reattach_drafter().result(ATTACH_TIMEOUT_S)
             self.link.available = True
@@ -186,15 +184,16 @@ class TargetService:
     def snapshot(self) -> dict:
         """The counters and queue lengths the server's metrics and admission read."""
         engine = self._started_engine()
-        return {"stats": engine.stats.copy(), "num_running": len(engine.scheduler.running),
+        counters = engine.counters()
+        return {"stats": engine.stats.copy(), "num_running": engine.num_running,
                 "num_waiting": self.async_engine.num_waiting, "healthy": self.async_engine.is_healthy,
-                "num_steps": engine.num_steps, "num_steps_ahead": engine.steps_ahead}
+                "num_steps": counters.num_steps, "num_steps_ahead": counters.num_steps_ahead}
 
     def check(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Refuse (ValueError) a request that could never run, before anything runs."""
         self._started_engine().check_prompt(prompt_token_ids, params)
 
-    def _started_engine(self):
+    def _started_engine(self) -> LLMEngine:
         if self.engine is None:
             raise EngineDead("the target service has not started: its pool is not up yet")
         return self.engine
@@ -206,17 +205,18 @@ class TargetService:
 
     def describe(self) -> dict:
         """Who this is and how its links fared: the pid, pool epoch, drafter faults, control traffic."""
-        link = self.link
+        link, engine = self.link, self.engine
+        counters = engine.counters() if engine else None
         return {
             "pid": os.getpid(),
             "pool_epoch": self.pool.epoch if self.pool else None,
-            "pool_recoveries": self.engine.num_recoveries if self.engine else 0,
+            "pool_recoveries": counters.num_pool_recoveries if engine else 0,
             "drafter_available": link.available if link else None,
             "drafter_failures": link.num_failures if link else 0,
             "drafter_reattached": link.num_reattached if link else 0,
-            "running": len(self.engine.scheduler.running) if self.engine else 0,
-            "preemptions": self.engine.scheduler.num_preemptions if self.engine else 0,
-            "waiting": len(self.engine.scheduler.waiting) if self.engine else 0,
+            "running": engine.num_running if engine else 0,
+            "preemptions": counters.num_preemptions if engine else 0,
+            "waiting": engine.num_waiting if engine else 0,
             "lease": self.control_stats() if self.control else None,
         }
 

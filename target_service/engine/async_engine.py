@@ -24,50 +24,13 @@ import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from target_service.engine.outputs import SpecDecodeStats
+from target_service.engine.engine import LLMEngine
+from target_service.engine.engine_client import EngineDead, EngineSnapshot, QueueFull, RequestDelta
 from target_service.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.05  # how long the idle loop blocks on its command queue
-
-
-class QueueFull(RuntimeError):
-    """Too many requests are waiting; retry after `retry_after_s`."""
-
-    def __init__(self, waiting: int, retry_after_s: int = 1):
-        super().__init__(f"{waiting} requests are already waiting for the engine; retry later")
-        self.retry_after_s = retry_after_s
-
-
-class EngineDead(RuntimeError):
-    """The engine thread stopped on an error; requests cannot be served."""
-
-
-@dataclass
-class RequestDelta:
-    """What one request gained in one step (the last one has `finished` set and the totals)."""
-
-    request_id: str
-    token_ids: list[int]
-    text: str
-    finished: bool = False
-    finish_reason: str | None = None
-    num_prompt_tokens: int = 0
-    num_output_tokens: int = 0
-    spec_decode: SpecDecodeStats | None = None
-
-
-@dataclass(frozen=True)
-class EngineSnapshot:
-    """What the metrics read at a scrape: the speculative counters, the queue and the pool."""
-
-    stats: SpecDecodeStats
-    num_running: int
-    num_waiting: int
-    pool: object  # kvpool_service.control.PoolUsage
-    num_steps: int = 0  # engine steps read
-    num_steps_ahead: int = 0  # ... of which queued before the step before them was read
 
 
 @dataclass
@@ -81,7 +44,9 @@ class _Tracked:
 
 
 class AsyncEngine:
-    def __init__(self, engine, *, max_waiting: int = 256):
+    """The in-process `EngineClient`."""
+
+    def __init__(self, engine: LLMEngine, *, max_waiting: int = 256):
         """engine: an `LLMEngine` this object takes over (no one else may call it afterwards)."""
         self.engine = engine
         self.max_waiting = max_waiting
@@ -103,18 +68,19 @@ class AsyncEngine:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.engine.scheduler.waiting) + self._pending_adds
+        return self.engine.num_waiting + self._pending_adds
 
     @property
     def num_running(self) -> int:
-        return len(self.engine.scheduler.running)
+        return self.engine.num_running
 
     def snapshot(self) -> EngineSnapshot:
         """Counters, queue lengths and pool usage, read from another thread between steps' writes
         (each value is one read of a Python object: possibly a step old, never torn)."""
         engine = self.engine
-        return EngineSnapshot(engine.stats.copy(), self.num_running, self.num_waiting,
-                              engine.scheduler.pool.stats(), engine.num_steps, engine.steps_ahead)
+        counters = engine.counters()
+        return EngineSnapshot(engine.stats.copy(), self.num_running, self.num_waiting, engine.pool_usage(),
+                              counters.num_steps, counters.num_steps_ahead)
 
     def check(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Refuse (ValueError) a request that could never run, before anything is queued."""
@@ -196,19 +162,18 @@ class AsyncEngine:
             self._tracked[request_id] = tracked
         elif command[0] == "abort":
             request_id = command[1]
-            if self._tracked.pop(request_id, None) is not None and request_id in self.engine.sequences:
+            if self._tracked.pop(request_id, None) is not None and self.engine.has_request(request_id):
                 self.engine.abort(request_id)
 
     def _publish(self) -> None:
         """Post every tracked request's new tokens and text; finished ones leave the engine."""
-        stop_checker = self.engine.stop_checker
         for request_id in list(self._tracked):
             tracked = self._tracked[request_id]
             seq = tracked.seq
             new_tokens = seq.output_token_ids[tracked.sent_tokens:]
             if not new_tokens and not seq.finish_reason:
                 continue
-            text = stop_checker.output_text(seq)
+            text = self.engine.output_text(seq)
             if not seq.finish_reason:
                 text = text[: len(text) - _held_back(text, tracked.params)]
             new_text = text[len(tracked.sent_text):] if text.startswith(tracked.sent_text) else ""
@@ -221,7 +186,7 @@ class AsyncEngine:
             if delta.finished:
                 delta.spec_decode = seq.spec_decode.copy()
                 del self._tracked[request_id]
-                self.engine.sequences.pop(request_id, None)
+                self.engine.release(request_id)
             tracked.loop.call_soon_threadsafe(tracked.queue.put_nowait, delta)
 
 

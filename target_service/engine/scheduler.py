@@ -5,71 +5,42 @@ the newest running sequences when pages run out, (2) continues running prefills 
 (3) admits waiting requests while slots, pages and the step's token budget allow. The pool it talks
 to is anything with the BlockManager's batched verbs (the in-process manager or the gRPC client),
 so the admission arithmetic is the pool's: target + draft bytes per token, counted once.
+
+With async scheduling the engine asks for the next step before the current one is read
+(`schedule_ahead`): the step this scheduler would plan after it, planned now, when that is possible.
 """
 
 from __future__ import annotations
 
 import collections
 import logging
-from dataclasses import dataclass, field
 
 from kvpool_service.control import CommitRequest, OpenRequest, ReserveRequest
 from kvpool_service.errors import PoolExhausted
+from target_service.engine.draft_budget import DraftBudget
+from target_service.engine.scheduler_output import DecodeWork, PrefillChunk, SchedulerOutput
 from target_service.engine.sequence import Sequence, SequenceStatus
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class PrefillChunk:
-    """Positions start .. start+num_tokens-1 of `seq` go through the target this step."""
-
-    seq: Sequence
-    start: int
-    num_tokens: int
-
-    @property
-    def is_last(self) -> bool:
-        return self.start + self.num_tokens == self.seq.prefill_len
-
-
-@dataclass(frozen=True)
-class DecodeWork:
-    """One speculative step of `seq`: verify `num_proposed` drafts (num_proposed + 1 rows), of which
-    the first `num_draft` may be accepted.
-
-    Every drafting sequence verifies the same K rows so that the step stays uniform (one CUDA graph);
-    a sequence allowed fewer drafts (near its max_tokens) has the extra ones verified and ignored:
-    causal attention keeps them out of the rows that count, so its tokens are the same.
-    """
-
-    seq: Sequence
-    num_draft: int
-    num_proposed: int
-
-
-@dataclass
-class SchedulerOutput:
-    decodes: list[DecodeWork] = field(default_factory=list)
-    prefills: list[PrefillChunk] = field(default_factory=list)
-    preempted: list[Sequence] = field(default_factory=list)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.decodes and not self.prefills
-
-
 class Scheduler:
-    def __init__(self, pool, *, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int,
-                 num_speculative_tokens: int):
+    def __init__(self, pool, *, max_num_seqs: int, max_num_batched_tokens: int, draft_budget: DraftBudget):
         self.pool = pool
         self.max_num_seqs = max_num_seqs
-        self.max_model_len = max_model_len
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.num_speculative_tokens = num_speculative_tokens
+        self.draft_budget = draft_budget
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+
+    @property
+    def max_model_len(self) -> int:
+        return self.draft_budget.max_model_len
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        return self.draft_budget.num_speculative_tokens
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -78,21 +49,19 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def num_draft_tokens(self, seq: Sequence) -> int:
-        """K for this step: no draft past max_model_len or past the request's max_tokens, and none
-        for a sequence whose draft context has a gap (see `Sequence.has_context`)."""
+    def max_accepted(self, seq: Sequence) -> int:
+        """Drafts that may count for `seq` this step (`DraftBudget`); none for a sequence whose draft
+        context has a gap (`Sequence.has_context`)."""
         if not seq.has_context:
             return 0
-        n = seq.num_computed
-        remaining = seq.params.max_tokens - len(seq.output_token_ids)
-        return max(0, min(self.num_speculative_tokens, self.max_model_len - n - 2, remaining - 1))
+        return self.draft_budget.max_accepted(seq.num_computed, seq.num_remaining_tokens)
 
-    def num_proposed_tokens(self, seq: Sequence, num_draft: int) -> int:
+    def num_verified(self, seq: Sequence, max_accepted: int) -> int:
         """Drafts to verify: K for every sequence with context whose K + 1 rows fit max_model_len (the
-        uniform step), whatever `num_draft` of them may count; else num_draft."""
-        if seq.has_context and seq.num_computed + self.num_speculative_tokens + 2 <= self.max_model_len:
+        uniform step), whatever fewer of them may count; else max_accepted."""
+        if seq.has_context and self.draft_budget.verifies_full_block(seq.num_computed):
             return self.num_speculative_tokens
-        return num_draft
+        return max_accepted
 
     # ---- one step -------------------------------------------------------------------------------
 
@@ -102,12 +71,12 @@ class Scheduler:
         decoding = [seq for seq in self.running if not seq.is_prefilling]
         work = []
         for seq in decoding:
-            num_draft = self.num_draft_tokens(seq)
-            num_proposed = self.num_proposed_tokens(seq, num_draft)
-            if num_proposed + 1 > budget:
+            max_accepted = self.max_accepted(seq)
+            num_verified = self.num_verified(seq, max_accepted)
+            if num_verified + 1 > budget:
                 break
-            budget -= num_proposed + 1
-            work.append(DecodeWork(seq, num_draft, num_proposed))
+            budget -= num_verified + 1
+            work.append(DecodeWork(seq, num_verified, max_accepted))
         out.decodes = self._reserve(work, out.preempted)
         for seq in self.running:
             if seq.is_prefilling and budget > 0:
@@ -118,10 +87,51 @@ class Scheduler:
             out.prefills += self._admit(budget)
         return out
 
+    def schedule_ahead(self, current: SchedulerOutput, verified: list[int]) -> SchedulerOutput | None:
+        """The step after `current` (whose decodes verified `verified` drafts), planned before its
+        results are read; None when that step cannot be known now.
+
+        It is planned only when it is the step `schedule` would plan after `current` whatever
+        `current` accepts: the same sequences, each verifying K drafts (max_model_len far enough
+        away), within the token budget, without preempting, nobody to admit (none waiting, or every
+        slot taken: a request waiting for a slot that `current` frees is admitted a step later); and
+        only for greedy requests or those with their own generator, so the engine's shared generator
+        is never drawn for a step that is dropped. Pages are reserved for the longest outcome of
+        `current` (every draft accepted). How many drafts may count is left to the device
+        (`DraftBudget.max_accepted_on_device`): each decode's `max_accepted` here is only the bound K.
+        """
+        seqs = [work.seq for work in current.decodes]
+        k = self.num_speculative_tokens
+        if current.prefills or current.preempted or not seqs:
+            return None
+        if self.waiting and len(self.running) < self.max_num_seqs:
+            return None
+        if len(seqs) != len(self.running) or set(map(id, seqs)) != set(map(id, self.running)):
+            return None
+        if len(seqs) * (k + 1) > self.max_num_batched_tokens:
+            return None
+        requests = []
+        for seq, drafted in zip(seqs, verified):
+            longest = seq.num_computed + drafted + 1  # num_computed after `current` accepts every draft
+            if k and not seq.has_context:
+                return None
+            if not (seq.params.greedy or seq.generator is not None):
+                return None
+            if not self.draft_budget.verifies_full_block(longest):
+                return None  # `schedule` might verify fewer rows then
+            requests.append(ReserveRequest(seq.seq_id, longest + k + 1))
+        try:
+            appended = self.pool.reserve(requests)
+        except PoolExhausted:
+            return None  # `schedule` would preempt: let it, after `current`
+        for seq, blocks in zip(seqs, appended):
+            seq.block_table.extend(blocks)
+        return SchedulerOutput(decodes=[DecodeWork(seq, k, k) for seq in seqs])
+
     def _reserve(self, work: list[DecodeWork], preempted: list[Sequence]) -> list[DecodeWork]:
         """Reserve every verify block in one call; preempt the newest running sequence until it fits."""
         while work:
-            requests = [ReserveRequest(w.seq.seq_id, w.seq.num_computed + w.num_proposed + 1) for w in work]
+            requests = [ReserveRequest(w.seq.seq_id, w.seq.num_computed + w.num_verified + 1) for w in work]
             try:
                 appended = self.pool.reserve(requests)
             except PoolExhausted:
@@ -192,10 +202,11 @@ class Scheduler:
         if requests:
             self.pool.commit(requests)
 
-    def requeue_all(self) -> list[Sequence]:
-        """The pool restarted empty: every running sequence waits again, to be recomputed into the new
-        pool (nothing is closed: the new pool never knew them). A sequence that finished in the step
-        the old pool failed in just finishes. Returns the requeued sequences."""
+    def rebind(self, pool) -> list[Sequence]:
+        """Work with a restarted (empty) pool from now on: every running sequence waits again, to be
+        recomputed into it (nothing is closed: the new pool never knew them). A sequence that finished
+        in the step the old pool failed in just finishes. Returns the requeued sequences."""
+        self.pool = pool
         requeued = [seq for seq in self.running if not seq.finish_reason]
         for seq in self.running:
             if seq.finish_reason:

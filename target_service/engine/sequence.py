@@ -9,14 +9,17 @@ prefills everything but its newest token, which becomes the bonus again, with no
 
 Who writes what:
 
-| field                                   | writer                                        |
-| --------------------------------------- | --------------------------------------------- |
-| status                                  | Scheduler                                     |
-| slot, block_table, num_cached_tokens    | Scheduler, from the pool's open / reserve     |
-| output_token_ids, num_computed,         | Engine (after each step)                      |
-| num_pool_known_tokens, finish_reason,   |                                               |
-| spec_decode (the request's counters)    |                                               |
-| has_context, num_context                | Engine (has_context), Scheduler (num_context) |
+| field                                   | writer                                            |
+| --------------------------------------- | ------------------------------------------------- |
+| status, num_context                     | Scheduler                                         |
+| slot, block_table, num_cached_tokens    | Scheduler, from the pool's open / reserve         |
+| output_token_ids, num_computed,         | LLMEngine (after each step)                       |
+| num_pool_known_tokens, finish_reason,   |                                                   |
+| spec_decode (the request's counters)    |                                                   |
+| has_context                             | ModelRunner (False when the drafter misses a step) |
+| generator                               | LLMEngine (at add_request, from the runner)       |
+
+The runner reads a sequence to build the step's tensors; it writes only `has_context`.
 
 `has_context` turns False when a step ran while the drafter was unavailable (its process died): the
 drafter then holds no context for that step's positions, so the sequence decodes plainly (verifies
@@ -74,6 +77,11 @@ class Sequence:
     def prefill_len(self) -> int:
         """Tokens the target must see before decoding: all but the bonus, once there is one."""
         return self.num_tokens - 1 if self.output_token_ids else self.num_tokens
+
+    @property
+    def num_remaining_tokens(self) -> int:
+        """Output tokens left before max_tokens."""
+        return self.params.max_tokens - len(self.output_token_ids)
 
     @property
     def is_prefilling(self) -> bool:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from target_service.engine.scheduler import SchedulerOutput
+from target_service.engine.scheduler_output import SchedulerOutput
 from target_service.engine.sequence import Sequence
 from target_service.runner.forward_batch import SeqChunk
 from target_service.runner.verify import DraftIndex
@@ -25,27 +25,22 @@ class Rows:
     taps: slice
 
 
-def scheduled_seqs(plan: SchedulerOutput) -> list[Sequence]:
-    """Sequences in the packed order: verify blocks first, then prefill chunks."""
-    return [work.seq for work in plan.decodes] + [chunk.seq for chunk in plan.prefills]
-
-
-def scheduled_layout(plan: SchedulerOutput, proposed: list[int], num_drafts: list[int], *, taps: bool,
+def scheduled_layout(plan: SchedulerOutput, verified: list[int], max_accepted: list[int], *, taps: bool,
                      width: int) -> tuple[list[SeqChunk], dict[int, Rows], DraftIndex]:
     """The packed forward's chunks (a decode's draft rows hold 0 until `place_drafts` fills them on
     the device), each sequence's rows, and the drafts' `DraftIndex`.
 
-    proposed: drafts each decode verifies; num_drafts: how many of them may count; taps: whether
+    verified: drafts each decode verifies; max_accepted: how many of them may count; taps: whether
     every row's taps are returned; width: the step buffers' draft_tokens columns.
     """
     chunks, index, input_row, logit_row, source_row = [], DraftIndex(), 0, 0, 0
-    for work, verified, counted in zip(plan.decodes, proposed, num_drafts):
-        seq, num_rows = work.seq, 1 + verified
-        chunks.append(SeqChunk([seq.bonus_token] + [0] * verified, seq.num_computed, seq.block_table,
+    for work, num_verified, counted in zip(plan.decodes, verified, max_accepted):
+        seq, num_rows = work.seq, 1 + num_verified
+        chunks.append(SeqChunk([seq.bonus_token] + [0] * num_verified, seq.num_computed, seq.block_table,
                                num_rows, num_rows * taps))
-        index.add_decode(verified, source_row=source_row, width=width, input_row=input_row,
+        index.add_decode(num_verified, source_row=source_row, width=width, input_row=input_row,
                          logit_row=logit_row, max_accepted=counted)
-        source_row += verified > 0  # the drafter's rows: the decodes that draft, in order
+        source_row += num_verified > 0  # the drafter's rows: the decodes that draft, in order
         logit_row, input_row = logit_row + num_rows, input_row + num_rows
     for chunk in plan.prefills:
         seq = chunk.seq
@@ -53,7 +48,7 @@ def scheduled_layout(plan: SchedulerOutput, proposed: list[int], num_drafts: lis
         wants_logits = int(chunk.is_last and not seq.output_token_ids)
         chunks.append(SeqChunk(tokens, chunk.start, seq.block_table, wants_logits, len(tokens) * taps))
     rows, logit_row, tap_row = {}, 0, 0
-    for chunk, seq in zip(chunks, scheduled_seqs(plan)):
+    for chunk, seq in zip(chunks, plan.seqs):
         rows[seq.seq_id] = Rows(slice(logit_row, logit_row + chunk.num_logits),
                                 slice(tap_row, tap_row + chunk.num_taps))
         logit_row += chunk.num_logits
@@ -61,13 +56,13 @@ def scheduled_layout(plan: SchedulerOutput, proposed: list[int], num_drafts: lis
     return chunks, rows, index
 
 
-def uniform_layout(seqs: list[Sequence], num_draft: int, *, taps: bool,
+def uniform_layout(seqs: list[Sequence], num_verified: int, *, taps: bool,
                    width: int) -> tuple[dict[int, Rows], DraftIndex]:
-    """Each of B decodes verifying `num_draft` drafts from draft_tokens row i: its rows and the
+    """Each of B decodes verifying `num_verified` drafts from draft_tokens row i: its rows and the
     `DraftIndex` (how many may count is decided on the device, so that is left to the caller)."""
-    rows, index, q_len = {}, DraftIndex(), num_draft + 1
+    rows, index, q_len = {}, DraftIndex(), num_verified + 1
     for i, seq in enumerate(seqs):
         tap_rows = slice(i * q_len * taps, (i + 1) * q_len * taps)
         rows[seq.seq_id] = Rows(slice(i * q_len, (i + 1) * q_len), tap_rows)
-        index.add_decode(num_draft, source_row=i, width=width, input_row=i * q_len, logit_row=i * q_len)
+        index.add_decode(num_verified, source_row=i, width=width, input_row=i * q_len, logit_row=i * q_len)
     return rows, index

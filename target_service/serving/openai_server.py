@@ -1,7 +1,7 @@
 """OpenAIServer: the OpenAI-compatible API's domain object, between the protocol and the engine.
 
 It turns a validated request into engine requests (prompts tokenized, chats rendered with the
-checkpoint's template, one `SamplingParams` per choice), runs them on the `AsyncEngine`, and turns
+checkpoint's template, one `SamplingParams` per choice), runs them on an `EngineClient`, and turns
 their deltas into responses or stream chunks. It knows nothing of HTTP: the routes (`api.py`) parse,
 authenticate and call it; errors are `ApiError`s the routes send as they are.
 """
@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from target_service.engine.async_engine import AsyncEngine, EngineDead, QueueFull
+from target_service.engine.engine_client import EngineClient, EngineDead, QueueFull
 from target_service.serving.api_errors import ApiError
 from target_service.serving.chat_template import load_chat_template
 from target_service.serving.openai_protocol import (
@@ -52,7 +52,7 @@ class _Job:
 class OpenAIServer:
     def __init__(
         self,
-        async_engine: AsyncEngine,
+        async_engine: EngineClient,
         tokenizer,
         *,
         model_name: str,

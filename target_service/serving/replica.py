@@ -39,7 +39,7 @@ class Replica:
             self.assembly = build_engine(engine_args)
             engine = self.assembly.engine
             self.async_engine = AsyncEngine(engine, max_waiting=args.max_waiting)
-            tokenizer, max_model_len = self.assembly.tokenizer, engine.scheduler.max_model_len
+            tokenizer, max_model_len = self.assembly.tokenizer, engine.max_model_len
             groups = [group.name for group in self.assembly.pool.layout.spec.groups]
             if admin_port is not None:
                 pool = self.assembly.pool

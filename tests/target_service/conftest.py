@@ -19,14 +19,15 @@ def pool_transport(request, monkeypatch):
     servers = []
     build = llm_module.build_engine
 
-    def build_with_remote_pool(args):
-        assembly = build(args)
-        server = BackgroundServer(assembly.pool.blocks, assembly.pool.layout).start()
+    def remote_control(pool):
+        server = BackgroundServer(pool.blocks, pool.layout).start()
         servers.append(server)
         client = KVPoolClient(server.address)
         client.connect()
-        assembly.engine.scheduler.pool = client
-        return assembly
+        return client
+
+    def build_with_remote_pool(args):
+        return build(args, control=remote_control)
 
     monkeypatch.setattr(llm_module, "build_engine", build_with_remote_pool)
     yield "remote"

@@ -54,23 +54,24 @@ class OracleDrafter:
     """
 
     def __init__(self, llm: LLM, references: dict[tuple, list[int]], corrupt_every: int = 3):
-        self.inner = llm.engine.drafter
+        self.runner = llm.assembly.runner
+        self.inner = self.runner.drafter
         self.engine = llm.engine
         self.references = references  # prompt tuple -> prompt + reference output ids
         self.corrupt_every = corrupt_every
         self.proposals = []  # (seq, start, accepted if the step runs)
         self.stored: dict[int, list[int]] = {}  # seq_id -> context positions written, in order
-        llm.engine.drafter = self
+        self.runner.swap_drafter(self)
 
     @property
     def block_size(self) -> int:
         return self.inner.block_size
 
     def _seq_at(self, slot: int):
-        return next(seq for seq in self.engine.scheduler.running if seq.slot == slot)
+        return next(seq for seq in self.engine.running_sequences() if seq.slot == slot)
 
     def store_context(self, num_rows):
-        buffers = self.engine.step_buffers
+        buffers = self.runner.step_buffers
         rows = zip(buffers.context_positions[:num_rows].tolist(),
                    buffers.context_seq_slots[:num_rows].tolist(), buffers.context_slots[:num_rows].tolist())
         for position, slot, target_slot in rows:
@@ -83,7 +84,7 @@ class OracleDrafter:
 
     def propose(self, num_seqs, num_speculative_tokens, num_block_cols):
         self.inner.propose(num_seqs, num_speculative_tokens, num_block_cols)  # the real path still runs
-        buffers, rows = self.engine.step_buffers, []
+        buffers, rows = self.runner.step_buffers, []
         starts, slots = buffers.start_positions[:num_seqs].tolist(), buffers.seq_slots[:num_seqs].tolist()
         for start, slot in zip(starts, slots):
             seq = self._seq_at(slot)
@@ -93,7 +94,7 @@ class OracleDrafter:
                 position = start + k
                 token = reference[position] if position < len(reference) else 0
                 if zlib.crc32(f"{seq.seq_id}:{position}".encode()) % self.corrupt_every == 0:
-                    token = (token + 1) % self.engine.target.config.vocab_size
+                    token = (token + 1) % self.runner.vocab_size
                     corrupted_at = k - 1 if corrupted_at is None else corrupted_at
                 row.append(token)
             usable = min(num_speculative_tokens, self._usable(seq, start))
@@ -107,11 +108,11 @@ class OracleDrafter:
         return sum(accepted for seq, start, accepted in self.proposals if start < seq.num_computed)
 
     def _usable(self, seq, start: int) -> int:
-        """`Scheduler.num_draft_tokens` of the sequence as it will be when its step starts at `start`
-        (the engine may not have read the step before yet: its outputs grow by start - num_computed)."""
-        scheduler = self.engine.scheduler
+        """The drafts that may count for the sequence as it will be when its step starts at `start`
+        (the engine may not have read the step before yet: its outputs grow by start - num_computed),
+        by hand: min(K, max_model_len - start - 2, remaining - 1), at least 0."""
         if not seq.has_context:
             return 0
         remaining = seq.params.max_tokens - len(seq.output_token_ids) - (start - seq.num_computed)
-        limit = min(scheduler.num_speculative_tokens, scheduler.max_model_len - start - 2, remaining - 1)
+        limit = min(self.engine.num_speculative_tokens, self.engine.max_model_len - start - 2, remaining - 1)
         return max(0, limit)

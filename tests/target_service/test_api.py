@@ -79,7 +79,7 @@ def test_completions_and_their_stream_equal_the_offline_llm(served):
     assert (
         chunks[-1].usage.completion_tokens == len(expected[0].outputs[0].token_ids) and not chunks[-1].choices
     )
-    assert not replica.assembly.engine.sequences
+    assert replica.assembly.engine.num_requests == 0
 
 
 def test_chat_equals_the_offline_llm_on_the_rendered_template(served):
@@ -134,8 +134,8 @@ def test_every_refusal_is_openai_shaped_and_changes_nothing(served):
             assert garbled.status_code == 400 and garbled.json()["error"]["type"] == "invalid_request_error"
 
     asyncio.run(main())
-    assert not engine.sequences and not engine.has_unfinished
-    assert engine.scheduler.pool.stats().num_used_blocks == 0
+    assert engine.num_requests == 0 and not engine.has_unfinished
+    assert engine.pool_usage().num_used_blocks == 0
 
 
 def test_models_health_and_metrics(served):

@@ -49,7 +49,7 @@ def test_concurrent_streams_equal_the_offline_llm_token_for_token(pair):
         assert last.finished and last.finish_reason == completion.finish_reason == "length"
         assert (last.num_prompt_tokens, last.num_output_tokens) == (len(want.prompt_token_ids), 20)
         assert not any(d.finished for d in deltas[:-1])
-    assert not llm.engine.sequences and llm.engine.scheduler.pool.stats().num_used_blocks == 0
+    assert llm.engine.num_requests == 0 and llm.engine.pool_usage().num_used_blocks == 0
     engine.shutdown()
     llm.close()
 
@@ -78,16 +78,15 @@ def test_closing_a_stream_aborts_the_request_and_frees_its_pages(pair):
     target, drafter = pair
     llm = LLM(target, drafter, **SETTINGS)
     engine = AsyncEngine(llm.engine)
-    pool = llm.engine.scheduler.pool
 
     async def main():
         stream = engine.generate(random_prompts(1, 160, low=30, high=40)[0], greedy(max_tokens=100))
         first = await stream.__anext__()
         assert not first.finished
-        used = pool.stats().num_used_blocks
+        used = llm.engine.pool_usage().num_used_blocks
         await stream.aclose()  # the client went away
         for _ in range(200):
-            if pool.stats().num_used_blocks == 0 and not llm.engine.sequences:
+            if llm.engine.pool_usage().num_used_blocks == 0 and llm.engine.num_requests == 0:
                 return used
             await asyncio.sleep(0.01)
         raise AssertionError("the aborted request still holds pages")
@@ -110,7 +109,7 @@ def test_a_full_queue_and_a_bad_prompt_are_refused_before_anything_is_queued(pai
     engine.max_waiting = 8
     with pytest.raises(ValueError, match="the prompt is empty"):
         asyncio.run(first([]))
-    assert not llm.engine.sequences and not llm.engine.has_unfinished
+    assert llm.engine.num_requests == 0 and not llm.engine.has_unfinished
     assert asyncio.run(collect(engine, [5, 6, 7], greedy(max_tokens=3)))[-1].num_output_tokens == 3
     engine.shutdown()
     with pytest.raises(RuntimeError, match="shutting down"):

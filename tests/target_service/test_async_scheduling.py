@@ -3,18 +3,20 @@
 Every case runs the same requests through an engine with and without it and compares tokens, finish
 reasons and acceptance; the async engine must really have launched steps ahead (and, where a request
 stops mid-run, dropped one). The pieces are checked alone too: the device-built decode batch against
-`pack`, and the cases `plan_ahead` must refuse.
+`pack`, and the next inputs against the draft budget by hand (what `Scheduler.schedule_ahead` must
+refuse is the scheduler's unit test).
 """
 
 import pytest
 import torch
 from engine_helpers import OracleDrafter, make_pair, random_prompts
 
+from target_service.engine.draft_budget import DraftBudget
 from target_service.engine.sampling_params import SamplingParams
-from target_service.engine.scheduler import DecodeWork, SchedulerOutput
+from target_service.engine.scheduler import Scheduler
 from target_service.llm import LLM
 from target_service.runner.forward_batch import SeqChunk, pack
-from target_service.runner.step_ahead import next_inputs, plan_ahead, uniform_decode_batch
+from target_service.runner.uniform_step import next_inputs, uniform_decode_batch
 
 SETTINGS = dict(kv_cache_memory="4MiB", tokens_per_block=16, max_num_seqs=8, max_model_len=160)
 
@@ -23,12 +25,12 @@ def run(target, drafter, prompts, params, *, async_scheduling, **settings):
     llm = LLM(target, drafter, async_scheduling=async_scheduling, **{**SETTINGS, **settings})
     outputs = llm.generate(prompts, params)
     engine = llm.engine
-    usage = engine.scheduler.pool.stats()
+    usage, counters = engine.pool_usage(), engine.counters()
     result = {
         "tokens": [out.outputs[0].token_ids for out in outputs],
         "finish": [out.outputs[0].finish_reason for out in outputs],
         "accepted": llm.stats.num_accepted_tokens, "drafts": llm.stats.num_draft_tokens,
-        "ahead": engine.steps_ahead, "dropped": engine.dropped_ahead,
+        "ahead": counters.num_steps_ahead, "dropped": counters.num_dropped_ahead,
         "pages_in_use": usage.num_used_blocks,
     }
     llm.close()
@@ -57,8 +59,6 @@ def test_a_full_batch_with_requests_waiting_still_runs_ahead(tmp_path, monkeypat
     """Six requests, two slots: while both slots are taken the waiting ones cannot be admitted, so
     steps go ahead; a request waiting for a slot freed by the current step starts a step later.
     Every request's tokens and acceptance equal the engine's without async scheduling."""
-    import target_service.engine.engine as engine_module
-
     target, drafter = make_pair(tmp_path)
     prompts = random_prompts(6, 160, low=3, high=40)
     params = [SamplingParams(max_tokens=int(n), temperature=0, ignore_eos=True)
@@ -66,13 +66,15 @@ def test_a_full_batch_with_requests_waiting_still_runs_ahead(tmp_path, monkeypat
     sync = run(target, drafter, prompts, params, async_scheduling=False, max_num_seqs=2)
     ahead_while_waiting = []
 
-    def recording_plan_ahead(scheduler, *args):
-        planned = plan_ahead(scheduler, *args)
+    schedule_ahead = Scheduler.schedule_ahead
+
+    def recording_schedule_ahead(scheduler, *args):
+        planned = schedule_ahead(scheduler, *args)
         if planned is not None and scheduler.waiting:
             ahead_while_waiting.append(len(scheduler.waiting))
         return planned
 
-    monkeypatch.setattr(engine_module, "plan_ahead", recording_plan_ahead)
+    monkeypatch.setattr(Scheduler, "schedule_ahead", recording_schedule_ahead)
     assert_same(sync, run(target, drafter, prompts, params, async_scheduling=True, max_num_seqs=2))
     assert ahead_while_waiting
 
@@ -120,7 +122,7 @@ def test_high_acceptance_and_seeded_sampling_equal_without_async_scheduling(tmp_
         if not async_scheduling:  # (the oracle counts a step ahead's proposals before their limits are known)
             assert accepted[False] == oracle.expected_accepted
         assert llm.stats.mean_acceptance_length > 2.0
-        assert (llm.engine.steps_ahead > 0) == async_scheduling
+        assert (llm.engine.counters().num_steps_ahead > 0) == async_scheduling
         llm.close()
     assert accepted[True] == accepted[False]
     sampled = [SamplingParams(max_tokens=40, temperature=0.9, top_p=0.95, seed=int(seed), ignore_eos=True)
@@ -137,15 +139,15 @@ def test_abort_while_a_step_is_ahead_frees_everything_and_changes_no_other_outpu
     llm = LLM(target, drafter, **SETTINGS)
     engine = llm.engine
     seqs = [engine.add_request(f"r{i}", prompt, params) for i, prompt in enumerate(prompts)]
-    while engine._ahead is None:
+    while engine.counters().num_steps_ahead == 0:  # then a step is ahead, launched and not yet read
         engine.step()
     engine.abort("r1")
     while engine.has_unfinished:
         engine.step()
-    assert engine.dropped_ahead >= 1 and seqs[1].finish_reason == "abort"
+    assert engine.counters().num_dropped_ahead >= 1 and seqs[1].finish_reason == "abort"
     assert [seqs[0].output_token_ids, seqs[2].output_token_ids] == [expected[0], expected[2]]
     assert expected[1][:len(seqs[1].output_token_ids)] == seqs[1].output_token_ids
-    assert engine.scheduler.pool.stats().num_used_blocks == 0
+    assert engine.pool_usage().num_used_blocks == 0
     llm.close()
 
 
@@ -165,51 +167,18 @@ def test_uniform_decode_batch_equals_pack(draw):
         assert torch.equal(getattr(batch, name), getattr(expected, name)), name
 
 
-def test_plan_ahead_refuses_what_the_scheduler_might_plan_otherwise(tmp_path):
-    target, drafter = make_pair(tmp_path)
-    llm = LLM(target, drafter, num_speculative_tokens=3, async_scheduling=False, **SETTINGS)
-    engine, scheduler = llm.engine, llm.engine.scheduler
-    greedy = SamplingParams(max_tokens=100, temperature=0, ignore_eos=True)
-    seq = engine.add_request("a", [5, 6, 7, 8], greedy)
-    engine.step()  # prefill: now decoding
-    current = SchedulerOutput(decodes=[DecodeWork(seq, 3, 3)])
-    with_prefill = SchedulerOutput(decodes=current.decodes, prefills=[object()])
-    assert plan_ahead(scheduler, with_prefill, [3], 3) is None
-    seq.params = SamplingParams(max_tokens=100, temperature=0.8)  # unseeded sampling
-    assert plan_ahead(scheduler, current, [3], 3) is None
-    # the scheduler verifies K 3 after `current` only if its 3 + 1 and then 3 + 2 fit max_model_len
-    scheduler.max_model_len = seq.num_computed + 4 + 3 + 1
-    assert plan_ahead(scheduler, current, [3], 3) is None
-    scheduler.max_model_len = SETTINGS["max_model_len"]
-    seq.params = greedy
-    waiting = engine.add_request("b", [9, 9], greedy)
-    assert plan_ahead(scheduler, current, [3], 3) is None  # an admission would change the plan
-    scheduler.max_num_seqs = 1  # ... unless every slot is taken
-    assert plan_ahead(scheduler, current, [3], 3) is not None
-    scheduler.max_num_seqs = SETTINGS["max_num_seqs"]
-    engine.abort("b")
-    assert waiting.finish_reason == "abort"
-    tables_before = list(seq.block_table)
-    planned = plan_ahead(scheduler, current, [3], 3)
-    assert [work.num_draft for work in planned.decodes] == [3] and planned.decodes[0].seq is seq
-    # pages for the longest outcome: every draft of `current` accepted, then K + 1 more rows
-    covered = len(seq.block_table) * SETTINGS["tokens_per_block"]
-    assert covered >= seq.num_computed + 4 + 4 and seq.block_table[:len(tables_before)] == tables_before
-    llm.close()
-
-
 @pytest.mark.parametrize("draw", range(10))
 def test_next_inputs_follow_the_accepted_drafts_and_the_schedulers_draft_rule(draw):
     """Bonus = the target's token after the accepted drafts; start + accepted + 1; the drafts that may
-    count = `Scheduler.num_draft_tokens` of that state (here by hand: min(K, mml - n - 2, left - 1))."""
+    count = the draft budget of that state (here by hand: min(K, mml - n - 2, left - 1))."""
     num_seqs, num_draft, max_model_len = int(torch.randint(1, 6, ())), 7, 64
     accepted = torch.randint(0, num_draft + 1, (num_seqs,))
     logit_starts = torch.arange(num_seqs) * (num_draft + 1)
     targets = torch.randint(0, 100, (num_seqs * (num_draft + 1),))
     starts = torch.randint(0, 60, (num_seqs,))
     remaining = torch.randint(1, 30, (num_seqs,))
-    bonus, next_starts, limits = next_inputs(targets, accepted, logit_starts, starts, remaining, num_draft,
-                                             max_model_len)
+    bonus, next_starts, limits = next_inputs(targets, accepted, logit_starts, starts, remaining,
+                                             DraftBudget(num_draft, max_model_len))
     for i in range(num_seqs):
         a, n = int(accepted[i]), int(starts[i]) + int(accepted[i]) + 1
         left = int(remaining[i]) - (a + 1)
@@ -233,12 +202,12 @@ def test_steps_ahead_through_the_graph_runners_equal_target_only(tmp_path, stora
     settings = dict(num_speculative_tokens=7, context_storage=storage)
     eager = run(target, drafter, prompts, params, async_scheduling=True, **settings)
     llm = LLM(target, drafter, **settings, **SETTINGS)
-    engine, worker = llm.engine, llm.engine.drafter
-    graphs = TargetGraphs(engine.target, engine.target_caches, sizes=[1, 2, 4, 8],
+    engine, runner, worker = llm.engine, llm.assembly.runner, llm.assembly.runner.drafter
+    graphs = TargetGraphs(runner.target, runner.target_caches, sizes=[1, 2, 4, 8],
                           keys=[GraphKey(8, True), GraphKey(1, True)],
                           max_blocks_per_seq=SETTINGS["max_model_len"] // SETTINGS["tokens_per_block"],
                           device=torch.device("cpu"), capture=False)
-    engine.graphs, worker.graphs = graphs, ProposeGraphs(worker, [1, 2, 4, 8], capture=False)
+    runner.graphs, worker.graphs = graphs, ProposeGraphs(worker, [1, 2, 4, 8], capture=False)
     rows = context_row_sizes([1, 2, 4, 8], worker.block_size, worker.buffers.layout.max_context_rows)
     worker.context_graphs = ContextGraphs(worker, rows, capture=False)
     served, stored = [], []
@@ -248,6 +217,7 @@ def test_steps_ahead_through_the_graph_runners_equal_target_only(tmp_path, stora
     assert [out.outputs[0].token_ids for out in llm.generate(prompts, params)] == expected
     stats = llm.stats
     assert (stats.num_accepted_tokens, stats.num_draft_tokens) == (eager["accepted"], eager["drafts"])
-    assert engine.steps_ahead > 0 and 3 in served and 3 * 8 in stored  # 3 x 8 rows: padded to 32
-    assert engine.scheduler.pool.stats().num_used_blocks == 0
+    assert engine.counters().num_steps_ahead > 0
+    assert 3 in served and 3 * 8 in stored  # 3 x 8 rows: padded to 32
+    assert engine.pool_usage().num_used_blocks == 0
     llm.close()

@@ -21,9 +21,10 @@ from drafter_service.channel_control import ChannelDraftControl, DraftOp, serve_
 from foundation.cuda_ipc import export_buffer
 from foundation.shared_buffer import BufferHandle
 from foundation.step_channel import RemoteError, StepChannel
-from kvpool_service.assembler import PoolArgs, build_pool
+from kvpool_service.assembler import build_pool
 from target_service.assembly.assembler import TargetAssembler
 from target_service.assembly.engine_args import EngineArgs
+from target_service.assembly.plan import resolve_plan
 from target_service.engine.sampling_params import SamplingParams
 from target_service.llm import LLM
 
@@ -63,21 +64,21 @@ def test_a_drafter_process_behind_the_channel_drafts_what_the_in_process_worker_
     settings = dict(num_speculative_tokens=5, kv_cache_memory="4MiB", tokens_per_block=16,
                     max_num_seqs=MAX_NUM_SEQS, max_model_len=128, device=device, dtype="float32")
     single = LLM(target, drafter, **settings)
-    recorder = single.engine.drafter = DraftRecorder(single.engine.drafter, single.engine.step_buffers)
+    runner = single.assembly.runner
+    recorder = DraftRecorder(runner.drafter, runner.step_buffers)
+    runner.swap_drafter(recorder)
     expected = [out.outputs[0].token_ids for out in single.generate(prompts, GREEDY)]
     expected_accepted = single.stats.num_accepted_tokens
     single.close()
     assert len(recorder.drafts) >= 10  # enough steps for the comparison to mean something
 
-    assembler = TargetAssembler(EngineArgs(target=str(target), drafter=str(drafter), **settings)).load()
-    block_size = assembler.drafter_config.block_size
-    pool = build_pool(PoolArgs(spec=assembler.pool_spec(), budget_bytes=assembler.kv_budget(),
-                               max_num_seqs=MAX_NUM_SEQS, max_model_len=assembler.max_model_len,
-                               device=device, share=device == "cpu"))
+    plan = resolve_plan(EngineArgs(target=str(target), drafter=str(drafter), **settings))
+    assembler = TargetAssembler(plan).load()
+    block_size = plan.block_size
+    pool = build_pool(plan.pool_args(assembler.kv_budget(), share=device == "cpu"))
     buffers = assembler.create_step_buffers(share=True)
     channel = StepChannel.create(device=device)
-    drafter_args = DrafterArgs(drafter=str(drafter), target=str(target), dtype=assembler.dtype, device=device,
-                               max_num_seqs=MAX_NUM_SEQS, max_model_len=assembler.max_model_len)
+    drafter_args = plan.drafter_args()
     stop = SPAWN.Event()
     process = SPAWN.Process(target=_drafter_process,
                             args=(drafter_args, _drafter_pool_handle(pool, device), buffers.export(),

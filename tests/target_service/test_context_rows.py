@@ -26,12 +26,13 @@ class ContextChecker:
     an engine without async scheduling: there a step's rows are staged a call before it commits."""
 
     def __init__(self, llm: LLM):
-        self.inner, self.engine = llm.engine.drafter, llm.engine
+        self.runner, self.engine = llm.assembly.runner, llm.engine
+        self.inner = self.runner.drafter
         self.block_size = self.inner.block_size
         self.stored: dict[int, list[int]] = {}
         self.kept = self.skipped = 0
         self.staged = []
-        llm.engine.drafter = self
+        self.runner.swap_drafter(self)
         step = llm.engine.step
 
         def checked_step():
@@ -48,15 +49,15 @@ class ContextChecker:
         self.inner.propose(*args)
 
     def store_context(self, num_rows: int) -> None:
-        buffers = self.engine.step_buffers
-        by_slot = {seq.slot: seq for seq in self.engine.scheduler.running}
+        buffers = self.runner.step_buffers
+        by_slot = {seq.slot: seq for seq in self.engine.running_sequences()}
         rows = zip(buffers.context_positions[:num_rows].tolist(),
                    buffers.context_seq_slots[:num_rows].tolist(), buffers.context_slots[:num_rows].tolist())
         self.staged += [(position, by_slot[seq_slot], slot) for position, seq_slot, slot in rows]
         self.inner.store_context(num_rows)
 
     def check_staged(self) -> None:
-        tpb = self.engine.tokens_per_block
+        tpb = self.runner.tokens_per_block
         for position, seq, slot in self.staged:
             if slot == PAD_SLOT:
                 assert position >= seq.num_computed, (position, seq.num_computed)

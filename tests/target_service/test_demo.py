@@ -26,7 +26,7 @@ def test_demo_pair_decodes_greedily_exactly_like_plain_decoding():
     spec = LLM(device="cpu", dtype="float32", max_model_len=256, kv_cache_memory="16MiB")
     plain = LLM(drafter="none", device="cpu", dtype="float32", max_model_len=256, kv_cache_memory="16MiB")
     try:
-        assert spec.engine.drafter is not None and plain.engine.drafter is None
+        assert spec.assembly.runner.drafter is not None and plain.assembly.runner.drafter is None
         fast, slow = spec.generate(PROMPTS, params), plain.generate(PROMPTS, params)
     finally:
         spec.close()
@@ -98,7 +98,7 @@ def test_a_cpu_engine_computes_in_float32_unless_asked(asked, expected):
     assert config["torch_dtype"] == "bfloat16"  # stored in bf16: the default below is not the config's
     llm = LLM(device="cpu", dtype=asked, max_model_len=64, kv_cache_memory="16MiB")
     try:
-        assert llm.engine.target.embed_weight.dtype == expected
-        assert all(p.dtype == expected for p in llm.engine.drafter.model.parameters())
+        assert llm.assembly.runner.target.embed_weight.dtype == expected
+        assert all(p.dtype == expected for p in llm.assembly.runner.drafter.model.parameters())
     finally:
         llm.close()

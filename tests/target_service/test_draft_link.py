@@ -1,6 +1,6 @@
 """DrafterLink alone: a dead drafter turns into DrafterUnavailable (never an error the engine cannot
 take), one re-attach is asked for at once, polled without waiting, retried after a failure, and the
-link serves again once it succeeds. PoolFailover alone: only a pool that went away is recovered."""
+link serves again once it succeeds."""
 
 from __future__ import annotations
 
@@ -10,10 +10,8 @@ import pytest
 
 from drafter_service.control import DrafterUnavailable
 from foundation.step_channel import PeerGone, RemoteError
-from kvpool_service.errors import InvalidRequest, StaleEpoch, TransportError
 from target_service.assembly import draft_link
 from target_service.assembly.draft_link import DrafterLink
-from target_service.assembly.pool_failover import PoolFailover
 
 
 class FlakyControl:
@@ -91,26 +89,3 @@ def test_a_drafter_that_times_out_is_unavailable_but_its_own_errors_propagate():
     with pytest.raises(RemoteError, match="a bug in the drafter"):  # a bug is not a dead process
         link.propose(1, 7, 1)
     assert link.available and link.num_failures == 1
-
-
-class Engine:
-    def __init__(self, errors):
-        self.errors, self.steps = list(errors), 0
-
-    def step(self):
-        self.steps += 1
-        if self.errors:
-            raise self.errors.pop(0)
-        return ["finished"]
-
-
-def test_pool_failover_recovers_only_from_a_pool_that_went_away():
-    recovered = []
-    engine = Engine([TransportError("UNAVAILABLE: connection refused", code="UNAVAILABLE"),
-                     StaleEpoch("epoch 5 is not this pool's epoch"), InvalidRequest("a bug")])
-    failover = PoolFailover(engine, recovered.append)
-    assert failover.step() == [] and failover.step() == []
-    assert [type(error) for error in recovered] == [TransportError, StaleEpoch]
-    with pytest.raises(InvalidRequest):
-        failover.step()
-    assert failover.step() == ["finished"] and failover.num_recoveries == 2 and failover.steps == 4

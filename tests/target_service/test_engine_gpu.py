@@ -24,7 +24,7 @@ def test_greedy_with_drafter_equals_target_only_on_cuda(tmp_path, storage):
     for prompt, ours, reference in zip(prompts, got, expected):  # equal, or parted at a near-tie
         assert_equal_up_to_a_near_tie(target, prompt, ours, reference)
     assert llm.stats.num_drafts > 0
-    assert llm.engine.scheduler.pool.stats().num_used_blocks == 0
+    assert llm.engine.pool_usage().num_used_blocks == 0
 
 
 @pytest.mark.parametrize("with_drafter", [True, False])
@@ -37,13 +37,13 @@ def test_cuda_graph_steps_equal_eager_steps_and_target_only_greedy(tmp_path, wit
     for eager in (True, False):
         llm = LLM(target, enforce_eager=eager, **settings)
         outputs[eager] = [out.outputs[0].token_ids for out in llm.generate(prompts, GREEDY)]
-        graphs = llm.engine.graphs
+        graphs = llm.assembly.runner.graphs
         assert (graphs is None) == eager
         if not eager:
             assert graphs.replays > 0  # the steady state ran from graphs
             if with_drafter:
-                assert llm.engine.drafter.graphs.replays > 0
-                assert llm.engine.drafter.context_graphs.replays > 0
+                assert llm.assembly.runner.drafter.graphs.replays > 0
+                assert llm.assembly.runner.drafter.context_graphs.replays > 0
         llm.close()
     plain = LLM(target, device="cuda", dtype="float32", kv_cache_memory="64MiB", tokens_per_block=16,
                 enforce_eager=True)
@@ -59,7 +59,7 @@ def test_a_context_graph_replay_stores_the_pages_an_eager_store_does(tmp_path):
     target, drafter = make_pair(tmp_path)
     llm = LLM(target, drafter, device="cuda", dtype="float32", max_num_seqs=8, kv_cache_memory="64MiB",
               tokens_per_block=16, max_model_len=256)
-    worker = llm.engine.drafter
+    worker = llm.assembly.runner.drafter
     graphs, buffers = worker.context_graphs, worker.buffers
     num_rows = int(torch.randint(1, graphs.sizes[-1], ()))
     pages = [page for cache in worker.context.caches for page in cache[:2]]
@@ -110,8 +110,8 @@ def test_async_scheduling_with_graphs_equals_the_engine_without_it(tmp_path, sto
         results[async_scheduling] = ([out.outputs[0].token_ids for out in outputs],
                                      [out.outputs[0].finish_reason for out in outputs],
                                      llm.stats.num_accepted_tokens)
-        assert (llm.engine.steps_ahead > 0) == async_scheduling
-        assert llm.engine.graphs.replays > 0
-        assert llm.engine.scheduler.pool.stats().num_used_blocks == 0
+        assert (llm.engine.counters().num_steps_ahead > 0) == async_scheduling
+        assert llm.assembly.runner.graphs.replays > 0
+        assert llm.engine.pool_usage().num_used_blocks == 0
         llm.close()
     assert results[True] == results[False]

@@ -19,13 +19,13 @@ pytestmark = pytest.mark.usefixtures("pool_transport")
 def reference_outputs(target, prompts, params=GREEDY):
     llm = LLM(target, kv_cache_memory="4MiB", tokens_per_block=16)
     outputs = [out.outputs[0].token_ids for out in llm.generate(prompts, params)]
-    assert llm.engine.scheduler.pool.stats().num_used_blocks == 0
+    assert llm.engine.pool_usage().num_used_blocks == 0
     llm.close()
     return outputs
 
 
 def assert_no_page_in_use(llm: LLM):
-    usage = llm.engine.scheduler.pool.stats()
+    usage = llm.engine.pool_usage()
     assert usage.num_used_blocks == 0 and usage.num_seqs == 0
 
 
@@ -75,9 +75,9 @@ def test_second_round_sharing_prefixes(tmp_path, prefix_caching):
               enable_prefix_caching=prefix_caching, max_model_len=128)
     oracle = OracleDrafter(llm, {tuple(p): p + out for p, out in zip(first + second, expected)})
     assert [o.outputs[0].token_ids for o in llm.generate(first, GREEDY)] == expected[:2]
-    hits_before = llm.engine.scheduler.pool.stats().prefix_cache_hits
+    hits_before = llm.engine.pool_usage().prefix_cache_hits
     assert [o.outputs[0].token_ids for o in llm.generate(second, GREEDY)] == expected[2:]
-    hits = llm.engine.scheduler.pool.stats().prefix_cache_hits - hits_before
+    hits = llm.engine.pool_usage().prefix_cache_hits - hits_before
     # 40 shared tokens = 2 full blocks of 16 for each of the 3 prompts, when caching is on
     assert hits == (3 * 32 if prefix_caching else 0)
     assert llm.stats.num_accepted_tokens == oracle.expected_accepted
@@ -100,11 +100,11 @@ def test_preemption_in_a_pool_too_small_for_the_batch(tmp_path, storage):
     dense_bytes = 0 if storage == "paged" else 6 * 128 * 2 * 2 * 2 * 16 * 4
     llm = LLM(target, drafter, num_speculative_tokens=5, context_storage=storage, max_num_seqs=6,
               kv_cache_memory=12 * spec_bytes + dense_bytes, tokens_per_block=16, max_model_len=128)
-    assert llm.engine.limits.num_blocks == 12
+    assert llm.engine.pool_limits.num_blocks == 12
     oracle = OracleDrafter(llm, {tuple(p): p + out for p, out in zip(prompts, expected)})
     got = [out.outputs[0].token_ids for out in llm.generate(prompts, params)]
     assert got == expected
-    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.counters().num_preemptions > 0
     assert llm.stats.num_accepted_tokens == oracle.expected_accepted
     assert_no_page_in_use(llm)
     llm.close()
@@ -129,16 +129,15 @@ def test_chunked_prefill_under_a_small_token_budget(tmp_path, storage):
     llm = LLM(target, drafter, num_speculative_tokens=3, context_storage=storage, kv_cache_memory="4MiB",
               tokens_per_block=16, max_num_seqs=4, max_model_len=128, max_num_batched_tokens=16)
     oracle = OracleDrafter(llm, {tuple(p): p + out for p, out in zip(prompts, expected)})
-    steps = []
-    original = llm.engine.scheduler.schedule
+    steps, runner = [], llm.assembly.runner
+    launch = runner.launch
 
-    def recording_schedule():
-        plan = original()
-        steps.append((len(plan.prefills), len(plan.decodes),
-                      sum(c.num_tokens for c in plan.prefills) + sum(w.num_draft + 1 for w in plan.decodes)))
-        return plan
+    def recording_launch(plan):  # every step the scheduler plans (steps ahead hold no prefill)
+        rows = sum(c.num_tokens for c in plan.prefills) + sum(w.num_verified + 1 for w in plan.decodes)
+        steps.append((len(plan.prefills), len(plan.decodes), rows))
+        return launch(plan)
 
-    llm.engine.scheduler.schedule = recording_schedule
+    runner.launch = recording_launch
     assert [out.outputs[0].token_ids for out in llm.generate(prompts, GREEDY)] == expected
     assert max(tokens for *_, tokens in steps) <= 16
     assert any(prefills and decodes for prefills, decodes, _ in steps)  # mixed steps happened

@@ -21,7 +21,7 @@ TEMPERATURE = 0.6
 
 def next_token_probs(llm: LLM, tokens: list[int]) -> torch.Tensor:
     """The target's next-token distribution after `tokens`, through a scratch page set."""
-    target = llm.engine.target
+    target = llm.assembly.runner.target
     config = target.config
     shape = (4, 16, config.num_key_value_heads, config.head_dim)
     caches = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(config.num_hidden_layers)]

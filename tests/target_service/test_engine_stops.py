@@ -98,7 +98,7 @@ def test_max_tokens_and_max_model_len(pair):
     out = short.generate([prompt], greedy(max_tokens=30))[0].outputs[0]
     assert out.token_ids == ids[:5] and out.finish_reason == "length"  # prompt + output = max_model_len
     for engine in (llm, short):
-        assert engine.engine.scheduler.pool.stats().num_used_blocks == 0
+        assert engine.engine.pool_usage().num_used_blocks == 0
         engine.close()
 
 
@@ -129,7 +129,7 @@ def test_a_request_too_big_for_the_whole_pool_is_refused_at_submission(pair):
     target, drafter = pair
     # 6 blocks of 16 tokens: 40 prompt tokens + 100 new tokens can never fit, even alone
     llm = speculative(target, drafter, kv_cache_memory=6 * 16 * (1024 + 512), max_model_len=256)
-    assert llm.engine.limits.num_blocks == 6
+    assert llm.engine.pool_limits.num_blocks == 6
     with pytest.raises(ValueError, match="needs up to 9 blocks"):
         llm.generate([[5] * 40], greedy(max_tokens=100))
     assert len(llm.generate([[5] * 40], greedy(max_tokens=40))[0].outputs[0].token_ids) == 40
@@ -168,7 +168,7 @@ def test_no_page_in_use_after_a_mixed_batch_ends(pair):
     params = [greedy(max_tokens=int(n)) for n in torch.randint(1, 20, (5,))]
     outputs = llm.generate(prompts, params)
     assert [len(o.outputs[0].token_ids) for o in outputs] == [p.max_tokens for p in params]
-    usage = llm.engine.scheduler.pool.stats()
+    usage = llm.engine.pool_usage()
     assert usage.num_used_blocks == 0 and usage.num_seqs == 0
     llm.close()
 
@@ -183,17 +183,17 @@ def test_an_aborted_request_frees_its_pages_at_once_and_the_others_run_on(pair):
     waiting = engine.add_request("waiting", prompts[0], greedy())
     while len(seqs[1].output_token_ids) < 3:
         engine.step()
-    used = engine.scheduler.pool.stats().num_used_blocks
+    used = engine.pool_usage().num_used_blocks
     aborted = engine.abort("r1")
     done = aborted.output_token_ids
     assert aborted.finish_reason == "abort" and len(done) >= 3 and done == expected[1][:len(done)]
-    assert engine.scheduler.pool.stats().num_used_blocks == used - len(aborted.block_table)
+    assert engine.pool_usage().num_used_blocks == used - len(aborted.block_table)
     engine.abort("waiting")  # never admitted, or admitted: either way it is gone
-    assert waiting.is_finished and "waiting" not in engine.sequences
+    assert waiting.is_finished and not engine.has_request("waiting")
     while engine.has_unfinished:
         engine.step()
     assert [seqs[0].output_token_ids, seqs[2].output_token_ids] == [expected[0], expected[2]]
-    assert engine.scheduler.pool.stats().num_used_blocks == 0
+    assert engine.pool_usage().num_used_blocks == 0
     with pytest.raises(ValueError, match="request id 'r1' is not in the engine"):
         engine.abort("r1")
     llm.close()

@@ -10,8 +10,8 @@ import pytest
 import torch
 from engine_helpers import make_pair, random_prompts
 
-from target_service.assembly.assembler import TargetAssembler
 from target_service.assembly.engine_args import EngineArgs
+from target_service.assembly.plan import resolve_plan
 from target_service.engine.sampling_params import SamplingParams
 from target_service.llm import LLM
 
@@ -30,7 +30,7 @@ def test_fp8_pages_hold_the_full_precision_pages_rounded_to_fp8(tmp_path, device
         llm = LLM(target, None, kv_cache_dtype=dtype, enable_prefix_caching=False,
                   **{**SETTINGS, "device": device, "dtype": "float32"})
         llm.generate(prompt, SamplingParams(max_tokens=1, temperature=0))  # the prompt's K/V only
-        layer = llm.engine.target_caches[0]
+        layer = llm.assembly.runner.target_caches[0]
         arenas[dtype] = (layer.k_cache.clone(), layer.v_cache.clone(), layer.k_scale)
         llm.close()
     k, v, no_scale = arenas["auto"]
@@ -54,7 +54,7 @@ def test_speculation_over_an_fp8_cache_equals_plain_decoding_over_it(tmp_path, s
     llm = LLM(target, drafter, kv_cache_dtype="fp8", context_storage=storage,
               num_speculative_tokens=num_draft, **SETTINGS)
     assert [out.outputs[0].token_ids for out in llm.generate(prompts, params)] == expected
-    assert llm.stats.num_drafts > 0 and llm.engine.scheduler.pool.stats().num_used_blocks == 0
+    assert llm.stats.num_drafts > 0 and llm.engine.pool_usage().num_used_blocks == 0
     llm.close()
 
 
@@ -62,8 +62,8 @@ def test_the_target_pages_take_one_byte_per_value_and_the_draft_context_keeps_it
     target, drafter = make_pair(tmp_path)
     for dtype, itemsize in (("auto", 2), ("fp8", 1)):
         args = EngineArgs(target=str(target), drafter=str(drafter), dtype="bfloat16", kv_cache_dtype=dtype)
-        assembler = TargetAssembler(args)
-        config, spec = assembler.checkpoint.config, assembler.pool_spec()
+        plan = resolve_plan(args)
+        config, spec = plan.target_config, plan.pool_spec()
         by_hand = config.num_hidden_layers * 2 * config.num_key_value_heads * config.head_dim * itemsize
         assert spec.target.bytes_per_token == by_hand
         assert spec.draft.dtype == "bfloat16"

@@ -58,9 +58,9 @@ def test_metrics_follow_the_engine_and_the_observed_requests(tmp_path):
     assert value(after, "dflash:e2e_request_latency_seconds_count") == 3
     assert value(after, "dflash:e2e_request_latency_seconds_sum") == 3.5
     assert abs(value(after, "dflash:time_per_output_token_seconds_sum") - (0.4 + 0.9 + 1.9) / 11) < 1e-12
-    assert value(after, "dflash:engine_steps_total") == llm.engine.num_steps > 0
+    assert value(after, "dflash:engine_steps_total") == llm.engine.counters().num_steps > 0
     steps_ahead = value(after, "dflash:engine_steps_ahead_total")
-    assert 0 < steps_ahead == llm.engine.steps_ahead < llm.engine.num_steps
+    assert 0 < steps_ahead == llm.engine.counters().num_steps_ahead < llm.engine.counters().num_steps
     assert value(after, "dflash:num_requests_running") == 0
     assert value(after, "dflash:kv_blocks_used", group="target") == 0
     engine.shutdown()

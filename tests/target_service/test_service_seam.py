@@ -20,11 +20,12 @@ import torch
 from engine_helpers import DraftRecorder, make_pair, random_prompts
 
 from drafter_service.assembler import DrafterArgs, DrafterAssembler
-from kvpool_service.assembler import PoolArgs, build_pool
+from kvpool_service.assembler import build_pool
 from kvpool_service.client import KVPoolClient
 from kvpool_service.server import BackgroundServer
 from target_service.assembly.assembler import TargetAssembler
 from target_service.assembly.engine_args import EngineArgs
+from target_service.assembly.plan import EnginePlan, resolve_plan
 from target_service.engine.sampling_params import SamplingParams
 from target_service.llm import LLM
 
@@ -83,18 +84,18 @@ def _drafter_process(args: DrafterArgs, pool_handle, conn) -> None:
     assembler.close()
 
 
-def _target_process(args: EngineArgs, address: str, pool_handle, drafter_conn, result_conn, prompts) -> None:
-    assembler = TargetAssembler(args).load()
+def _target_process(plan: EnginePlan, address: str, pool_handle, drafter_conn, result_conn, prompts) -> None:
+    assembler = TargetAssembler(plan).load()
     buffers = assembler.create_step_buffers(share=True)  # a /dev/shm file the drafter maps
     drafter_conn.send(buffers.export())
-    drafter = DraftRecorder(PipeDraftControl(drafter_conn, drafter_conn.recv(), args.device), buffers)
+    drafter = DraftRecorder(PipeDraftControl(drafter_conn, drafter_conn.recv(), plan.device), buffers)
     client = KVPoolClient(address)
     client.connect()
     engine = assembler.build(client, pool_handle, drafter)
     seqs = [engine.add_request(f"req-{i}", prompt, GREEDY) for i, prompt in enumerate(prompts)]
     while engine.has_unfinished:
         engine.step()
-    _sync(args.device)
+    _sync(plan.device)
     drafter_conn.send(("stop",))
     usage = client.stats()
     result_conn.send(([list(seq.output_token_ids) for seq in seqs], drafter.drafts,
@@ -111,7 +112,9 @@ def test_target_and_drafter_in_their_own_processes_equal_the_single_process_engi
     settings = dict(num_speculative_tokens=5, context_storage=storage, kv_cache_memory="4MiB",
                     tokens_per_block=16, max_num_seqs=4, max_model_len=128, device=device, dtype="float32")
     single = LLM(target, drafter, **settings)
-    recorder = single.engine.drafter = DraftRecorder(single.engine.drafter, single.engine.step_buffers)
+    runner = single.assembly.runner
+    recorder = DraftRecorder(runner.drafter, runner.step_buffers)
+    runner.swap_drafter(recorder)
     expected = [out.outputs[0].token_ids for out in single.generate(prompts, GREEDY)]
     expected_accepted = single.stats.num_accepted_tokens
     groups = [group.name for group in single.assembly.pool.layout.spec.groups]
@@ -119,22 +122,18 @@ def test_target_and_drafter_in_their_own_processes_equal_the_single_process_engi
     single.close()
     assert len(recorder.drafts) >= 10  # enough steps for the comparison to mean something
 
-    args = EngineArgs(target=str(target), drafter=str(drafter), **settings)
-    sizer = TargetAssembler(args)  # configs only: the pool process loads no weights
-    pool = build_pool(PoolArgs(spec=sizer.pool_spec(), budget_bytes=sizer.kv_budget(),
-                               context_storage=storage, max_num_seqs=args.max_num_seqs,
-                               max_model_len=sizer.max_model_len, device=device, share=True))
+    plan = resolve_plan(EngineArgs(target=str(target), drafter=str(drafter), **settings))
+    sizer = TargetAssembler(plan)  # configs only: the pool process loads no weights
+    pool = build_pool(plan.pool_args(sizer.kv_budget(), share=True))
     assert (pool.handle.shm_path is not None) == (device == "cpu")  # else a CUDA IPC handle
     server = BackgroundServer(pool.blocks, pool.layout).start()
-    drafter_args = DrafterArgs(drafter=str(drafter), target=str(target), dtype=sizer.dtype, device=device,
-                               context_storage=storage, max_num_seqs=args.max_num_seqs,
-                               max_model_len=sizer.max_model_len)
+    drafter_args = plan.drafter_args()
     target_end, drafter_end = SPAWN.Pipe()
     results, result_end = SPAWN.Pipe(duplex=False)
     processes = [
         SPAWN.Process(target=_drafter_process, args=(drafter_args, pool.handle, drafter_end)),
         SPAWN.Process(target=_target_process,
-                      args=(args, server.address, pool.handle, target_end, result_end, prompts)),
+                      args=(plan, server.address, pool.handle, target_end, result_end, prompts)),
     ]
     try:
         for process in processes:

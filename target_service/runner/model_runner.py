@@ -1,0 +1,244 @@
+"""ModelRunner: the device work of a step (propose, pack, forward, sample, verify, store context).
+
+It turns a `SchedulerOutput` into work queued on the device and, later, into the plain ints the
+engine's bookkeeping needs. One step runs every scheduled sequence through ONE target forward:
+prefill chunks and verify blocks packed together. Decoding sequences first get their drafts from
+the drafter (context from the pages, positions n..n+K for a sequence with n computed positions);
+the target verifies [bonus, d1..dK]; the accepted lengths are worked out on the device
+(`target_service.runner.verify`); the taps of the accepted rows (and of every prefill row) become
+draft context at their own positions. The host reads the target's tokens and the accepted lengths
+once, in `read`, while the GPU stores the context.
+
+The pool's pages and the drafter sit behind what the services meet through (the target layers
+mapped from a `PoolHandle`, `DraftControl`, the step buffers both sides map), so splitting the
+services into processes changes nothing here. The runner reads sequences and writes only their
+`has_context` (False when the drafter missed a step).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, replace
+
+import torch
+
+from drafter_service.control import DraftControl, DrafterUnavailable
+from drafter_service.step_buffers import StepBuffers
+from foundation.host_transfer import HostReadback, to_device
+from target_service.engine.draft_budget import DraftBudget
+from target_service.engine.scheduler_output import DecodeWork, SchedulerOutput
+from target_service.engine.sequence import Sequence
+from target_service.engine.step_runner import StepTokens
+from target_service.runner.context_rows import SeqTaps, select_context_rows
+from target_service.runner.cuda_graphs import GraphKey, TargetGraphs
+from target_service.runner.forward_batch import ForwardBatch, pack
+from target_service.runner.sampling import choose_tokens
+from target_service.runner.step_layout import Rows, scheduled_layout, uniform_layout
+from target_service.runner.uniform_step import next_inputs, uniform_decode_batch
+from target_service.runner.verify import DeviceDraftIndex
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class LaunchedStep:
+    """A step queued on the device whose results the host has not read yet."""
+
+    plan: SchedulerOutput
+    verified: list[int]  # drafts verified per decode, in plan order
+    max_accepted: list[int] | None  # ... of which may count; None: decided on the device (a step ahead)
+    rows: dict[int, Rows]  # seq_id -> its rows in the packed forward
+    targets: torch.Tensor  # the target's token at every logits row [R]
+    accepted: torch.Tensor | None  # accepted drafts per decode; None: no drafts in the step
+    readback: HostReadback  # targets then accepted, on their way to the host
+
+
+class ModelRunner:
+    """The engine's `StepRunner`: the target model over the pool's pages, the drafter, the graphs."""
+
+    def __init__(self, target, target_caches, *, tokens_per_block: int, draft_budget: DraftBudget,
+                 drafter: DraftControl | None = None, step_buffers: StepBuffers | None = None,
+                 graphs: TargetGraphs | None = None, seed: int | None = None):
+        self.target = target
+        self.target_caches = target_caches
+        self.tokens_per_block = tokens_per_block
+        self.draft_budget = draft_budget
+        self.drafter = drafter
+        self.step_buffers = step_buffers
+        self.graphs = graphs
+        self.device = target.embed_weight.device
+        self.generator = torch.Generator(self.device)  # for sampled requests without a seed of their own
+        self.generator.manual_seed(seed if seed is not None else torch.seed())
+        self.num_steps_ahead = 0  # steps launched from the device results of the step before them
+
+    @property
+    def vocab_size(self) -> int:
+        return self.target.config.vocab_size
+
+    def make_generator(self, seed: int) -> torch.Generator:
+        """A generator of a request's own (its `seed`), on the device the sampling runs on."""
+        generator = torch.Generator(self.device)
+        generator.manual_seed(seed)
+        return generator
+
+    def rebind(self, target_caches, graphs: TargetGraphs | None) -> None:
+        """Run over a restarted pool's pages (and graphs captured over them) from now on."""
+        self.target_caches, self.graphs = target_caches, graphs
+
+    def swap_drafter(self, drafter: DraftControl | None) -> DraftControl | None:
+        """Propose with `drafter` from the next step on (a prompt-lookup double, or None for plain
+        decoding); returns the one it replaces. Between requests only: sequences in flight keep
+        context the new drafter never saw."""
+        if drafter is not None and self.step_buffers is None:
+            raise ValueError("this runner was built without a drafter: it has no step buffers to draft into")
+        previous, self.drafter = self.drafter, drafter
+        return previous
+
+    def drop_graphs(self) -> None:
+        """Free the graphs (they hold the old pages) before new ones are captured."""
+        self.graphs = None
+
+    # ---- launching --------------------------------------------------------------------------------
+
+    def launch(self, plan: SchedulerOutput) -> LaunchedStep:
+        """Queue the step `plan` schedules: its drafts, forward, verification and context store."""
+        verified = self._propose(plan)
+        max_accepted = [min(work.max_accepted, count) for work, count in zip(plan.decodes, verified)]
+        chunks, rows, index = scheduled_layout(plan, verified, max_accepted, taps=self.drafter is not None,
+                                               width=self._draft_width())
+        batch = pack(chunks, self.tokens_per_block, self.device)
+        verify = index.to_device(self.device) if index.num_draft_tokens else None
+        return self._launch(plan, verified, max_accepted, rows, batch, verify)
+
+    def launch_after(self, current: LaunchedStep, plan: SchedulerOutput) -> LaunchedStep | None:
+        """Queue `plan`, the step after `current` (`Scheduler.schedule_ahead`), from `current`'s device
+        results: its bonus tokens, starts and drafts that may count never reach the host. None when
+        the drafter could not propose (the step is then scheduled as usual)."""
+        seqs = [work.seq for work in plan.decodes]
+        num_verified = plan.decodes[0].num_verified
+        logit_starts = [current.rows[seq.seq_id].logits.start for seq in seqs]
+        computed = [seq.num_computed for seq in seqs]  # where `current` started: it is not read yet
+        remaining = [seq.num_remaining_tokens for seq in seqs]  # before `current`
+        logit_starts_d, starts_d, remaining_d, seq_slots_d = to_device(
+            [logit_starts, computed, remaining, [seq.slot for seq in seqs]], torch.int64, self.device)
+        columns = max(len(seq.block_table) for seq in seqs)
+        padded = [seq.block_table + [0] * (columns - len(seq.block_table)) for seq in seqs]
+        table = to_device(padded, torch.int32, self.device)
+        bonus, starts, max_accepted = next_inputs(current.targets, current.accepted, logit_starts_d, starts_d,
+                                                  remaining_d, self.draft_budget)
+        if num_verified:
+            self.step_buffers.stage_propose_tensors(bonus, starts, seq_slots_d, table)
+            if not self._call_propose(len(seqs), num_verified, columns, seqs):
+                return None
+        self.num_steps_ahead += 1
+        taps = self.drafter is not None
+        batch = uniform_decode_batch(bonus, starts, table, num_verified, self.tokens_per_block, taps)
+        rows, index = uniform_layout(seqs, num_verified, taps=taps, width=self._draft_width())
+        verify = replace(index.to_device(self.device), max_accepted=max_accepted) if num_verified else None
+        return self._launch(plan, [num_verified] * len(seqs), None, rows, batch, verify)
+
+    def read(self, launched: LaunchedStep) -> StepTokens:
+        """Wait for a launched step's tokens and accepted lengths (one read) and hand them out."""
+        values = launched.readback.tolist()
+        num_targets, plan, rows = launched.targets.shape[0], launched.plan, launched.rows
+        targets, accepted = values[:num_targets], values[num_targets:]
+        return StepTokens(
+            decode_tokens=[targets[rows[work.seq.seq_id].logits] for work in plan.decodes],
+            accepted=accepted or [0] * len(plan.decodes),
+            prefill_tokens=[targets[rows[chunk.seq.seq_id].logits] for chunk in plan.prefills])
+
+    def _launch(self, plan: SchedulerOutput, verified: list[int], max_accepted: list[int] | None,
+                rows: dict[int, Rows], batch: ForwardBatch, verify: DeviceDraftIndex | None) -> LaunchedStep:
+        """Queue a planned step's forward, its verification (None: no drafts) and its context store;
+        start the read."""
+        drafts = verify.place_drafts(self.step_buffers.draft_tokens, batch.input_ids) if verify else None
+        output = self._forward(batch, plan, verified)
+        targets = self._target_tokens(output.logits, plan.seqs, rows)
+        accepted = verify.accepted_lengths(drafts, targets) if verify else None
+        readback = HostReadback(targets if accepted is None else torch.cat([targets, accepted]))
+        self._store_context(batch, output.taps, plan, rows, accepted)
+        return LaunchedStep(plan, verified, max_accepted, rows, targets, accepted, readback)
+
+    # ---- the drafter ------------------------------------------------------------------------------
+
+    def _propose(self, plan: SchedulerOutput) -> list[int]:
+        """Drafts verified per decode (0 for none) from one drafter call (K = the largest asked for),
+        left in the step buffers' draft_tokens in the order of the decodes that draft; all 0 when the
+        drafter is unavailable."""
+        drafting: list[DecodeWork] = [work for work in plan.decodes if work.num_verified > 0]
+        if self.drafter is None or not drafting:
+            return [0] * len(plan.decodes)
+        num_verified = max(work.num_verified for work in drafting)
+        seqs = [work.seq for work in drafting]
+        columns = self.step_buffers.stage_propose(
+            [seq.bonus_token for seq in seqs], [seq.num_computed for seq in seqs], [seq.slot for seq in seqs],
+            [seq.block_table for seq in seqs])
+        if not self._call_propose(len(seqs), num_verified, columns, plan.seqs):
+            return [0] * len(plan.decodes)
+        return [work.num_verified for work in plan.decodes]
+
+    def _call_propose(self, num_seqs: int, num_draft: int, columns: int, scheduled: list[Sequence]) -> bool:
+        """Ask the drafter for the staged rows' drafts; False (and `scheduled` go on plainly) when it
+        is unavailable."""
+        try:
+            self.drafter.propose(num_seqs, num_draft, columns)
+        except DrafterUnavailable as error:
+            self._lose_context(scheduled, error)
+            return False
+        return True
+
+    def _store_context(self, batch: ForwardBatch, taps: torch.Tensor, plan: SchedulerOutput,
+                       rows: dict[int, Rows], accepted: torch.Tensor | None) -> None:
+        """One drafter call: every tap row of the step, rows past a decode's accepted prefix (and
+        rows of sequences whose context has a gap) skipped.
+
+        The rows are selected on the device (`target_service.runner.context_rows`): nothing waits for
+        the GPU.
+        """
+        scheduled = plan.seqs
+        if self.drafter is None or taps.shape[0] == 0 or not any(seq.has_context for seq in scheduled):
+            return
+        num_decodes = len(plan.decodes)
+        seqs = [SeqTaps(rows[seq.seq_id].taps.stop - rows[seq.seq_id].taps.start, position < num_decodes,
+                        seq.has_context, seq.slot) for position, seq in enumerate(scheduled)]
+        positions, seq_slots, slots = select_context_rows(batch, seqs, accepted)
+        try:
+            self.drafter.settle()  # the last step's context may still be read from the buffers
+            self.drafter.store_context(self.step_buffers.stage_context(taps, positions, seq_slots, slots))
+        except DrafterUnavailable as error:
+            self._lose_context(scheduled, error)
+
+    def _lose_context(self, scheduled: list[Sequence], error: DrafterUnavailable) -> None:
+        """The drafter missed this step: its sequences decode plainly from now on (lossless, as
+        any draft is) until recomputed; new requests speculate once the drafter is back."""
+        logger.warning("drafter unavailable (%s): %d sequences continue without speculation", error,
+                       sum(seq.has_context for seq in scheduled))
+        for seq in scheduled:
+            seq.has_context = False
+
+    def _draft_width(self) -> int:
+        return self.step_buffers.layout.max_num_draft if self.step_buffers is not None else 0
+
+    # ---- the target -------------------------------------------------------------------------------
+
+    def _forward(self, batch: ForwardBatch, plan: SchedulerOutput, verified: list[int]):
+        """The target's forward, replayed from a CUDA graph when the step is uniform: decodes only,
+        every sequence verifying the same number of rows. Anything else runs eagerly."""
+        if self.graphs is not None and plan.decodes and not plan.prefills:
+            q_lens = {1 + count for count in verified}
+            if len(q_lens) == 1:
+                output = self.graphs.run(batch, GraphKey(q_lens.pop(), taps=self.drafter is not None))
+                if output is not None:
+                    return output
+        return self.target(batch, self.target_caches)
+
+    def _target_tokens(self, logits: torch.Tensor, scheduled: list[Sequence], rows: dict[int, Rows]):
+        """The target's token at every logits row [R], on the device: argmax, and a sample in the
+        rows of each sampling request (its own generator, in the step's order)."""
+        tokens = logits.argmax(dim=-1)
+        for seq in scheduled:
+            logit_rows = rows[seq.seq_id].logits
+            if not seq.params.greedy and logit_rows.stop > logit_rows.start:
+                generator = seq.generator if seq.generator is not None else self.generator
+                tokens[logit_rows] = choose_tokens(logits[logit_rows], seq.params, generator)
+        return tokens
