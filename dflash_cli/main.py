@@ -26,6 +26,7 @@ from dflash_cli.flags import (
     log_level,
     walk_parsers,
 )
+from foundation.validation_error import InvalidSetting, describe
 
 SUBCOMMAND_MODULES = (
     "dflash_cli.plan",
@@ -55,17 +56,16 @@ def build_parser() -> OneLineParser:
     return parser
 
 
-def _first_error(error: ValidationError, flags: set[str]) -> str:
-    """The first problem, named by its flag when a field has one (kv_cache_memory: --kv-cache-memory),
-    else by its field; a check of the whole model (no field) is its message alone."""
-    first = error.errors()[0]
-    field = ".".join(str(part) for part in first["loc"])
-    message = first["msg"].removeprefix("Value error, ")
-    if first["type"] not in ("value_error", "missing"):  # pydantic's own ("should be >= 1") lack the value
-        message += f", got {first.get('input')!r}"
-    flag = "--" + field.replace("_", "-")
-    name = flag if flag in flags else field
-    return f"{name}: {message}" if name else message
+def _flag_namer(parser):
+    """Names a field by its flag when it has one (kv_cache_memory: --kv-cache-memory), else as itself."""
+    flags = {flag for level, _ in walk_parsers(parser) for action in level._actions
+             for flag in action.option_strings}
+
+    def name(field: str) -> str:
+        flag = "--" + field.replace("_", "-")
+        return flag if flag in flags else field
+
+    return name
 
 
 def _configure_logging(level: int) -> None:
@@ -81,10 +81,11 @@ def _run(argv: list[str] | None) -> int:
     _configure_logging(log_level(args))
     try:
         return int(args.func(args) or 0)
-    except ValidationError as error:
-        flags = {flag for level, _ in walk_parsers(parser) for action in level._actions
-                 for flag in action.option_strings}
-        print(f"dflash {args.command}: error: {_first_error(error, flags)}", file=sys.stderr)
+    except ValidationError as error:  # the first problem; a check of the whole model is its message alone
+        print(f"dflash {args.command}: error: {describe(error, _flag_namer(parser))}", file=sys.stderr)
+    except InvalidSetting as error:  # a setting the engine refused, by its flag
+        name = _flag_namer(parser)(error.field) if error.field else ""
+        print(f"dflash {args.command}: error: {name + ': ' if name else ''}{error.message}", file=sys.stderr)
     except ValueError as error:  # ConfigError, CliError and bad values are ValueErrors
         print(f"dflash {args.command}: error: {error}", file=sys.stderr)
     return USAGE_ERROR

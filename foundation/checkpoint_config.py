@@ -21,6 +21,8 @@ from pydantic import (
     model_validator,
 )
 
+from foundation.validation_error import describe
+
 SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "LlamaForCausalLM")
 DTYPE_NAMES = {
     "bfloat16": "bfloat16", "bf16": "bfloat16",
@@ -207,19 +209,12 @@ def _read_json(path: Path) -> dict:
     return data
 
 
-def _describe(error: ValidationError) -> str:
-    first = error.errors()[0]
-    field = ".".join(str(part) for part in first["loc"])
-    message = first["msg"].removeprefix("Value error, ")
-    return f"field '{field}': {message}" if field else message
-
-
 def _load(model: type[BaseModel], path: str | Path):
     file = config_path(path)
     try:
         return model.model_validate(_read_json(file))
     except ValidationError as error:
-        raise ConfigError(f"{file}: {_describe(error)}") from None
+        raise ConfigError(f"{file}: {describe(error, lambda field: f'field {field!r}')}") from None
 
 
 def load_target_config(path: str | Path) -> TargetConfig:

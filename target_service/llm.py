@@ -7,7 +7,7 @@ from collections.abc import Sequence as Seq
 from typing import Literal
 
 from target_service.assembly.demo import resolve_pair
-from target_service.assembly.engine_args import EngineArgs
+from target_service.assembly.engine_args import engine_args
 from target_service.assembly.in_process import build_engine
 from target_service.engine.outputs import CompletionOutput, RequestOutput, SpecDecodeStats
 from target_service.engine.sampling_params import SamplingParams
@@ -41,7 +41,7 @@ class LLM:
         if services not in ("inprocess", "ray"):
             raise ValueError(f"services must be 'inprocess' or 'ray', got {services!r}")
         target, drafter = resolve_pair(target, drafter)
-        self.args = EngineArgs(
+        self.args = engine_args(
             target=target, drafter=drafter,
             num_speculative_tokens=num_speculative_tokens, context_storage=context_storage, dtype=dtype,
             kv_cache_dtype=kv_cache_dtype, device=device, max_model_len=max_model_len,

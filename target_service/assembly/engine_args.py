@@ -6,10 +6,11 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from foundation.byte_size import parse_byte_size
 from foundation.device_name import check_device_name
+from foundation.validation_error import InvalidSetting
 
 
 class EngineArgs(BaseModel):
@@ -50,3 +51,12 @@ class EngineArgs(BaseModel):
     @classmethod
     def _device(cls, value: str | None) -> str | None:
         return value if value is None else check_device_name(value)
+
+
+def engine_args(**settings) -> EngineArgs:
+    """EngineArgs from keyword settings (the offline API's); a bad one is a one-line ValueError
+    naming the setting, not pydantic's report."""
+    try:
+        return EngineArgs(**settings)
+    except ValidationError as error:
+        raise InvalidSetting(error) from None

@@ -11,7 +11,7 @@ process that will never load the model (a Ray driver).
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from drafter_service.assembler import DrafterArgs
 from drafter_service.step_buffers import StepBufferLayout
@@ -24,6 +24,7 @@ from foundation.checkpoint_config import (
     load_target_config,
 )
 from foundation.device_name import cuda_device_count, resolve_device_name
+from foundation.validation_error import InvalidSetting
 from foundation.weights import resolve_dtype
 from kvpool_service.assembler import PoolArgs
 from kvpool_service.geometry import DTYPE_NAMES, PoolSpec
@@ -129,7 +130,10 @@ def resolve_plan(args: EngineArgs, *, cuda_devices: int | None = None) -> Engine
         num_speculative_tokens=num_speculative_tokens(args.num_speculative_tokens,
                                                       drafter.block_size if drafter is not None else None),
         target_config=target, drafter_config=drafter)
-    plan.pool_spec()  # the pool's geometry refuses what it cannot page (a tokens_per_block, a dtype)
+    try:
+        plan.pool_spec()  # the pool's geometry refuses what it cannot page (a tokens_per_block, a dtype)
+    except ValidationError as error:
+        raise InvalidSetting(error) from None
     return plan
 
 

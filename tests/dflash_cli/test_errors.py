@@ -9,7 +9,6 @@ import socket
 from pathlib import Path
 
 import pytest
-from pydantic import BaseModel, ValidationError, model_validator
 from tiny_checkpoints import write_drafter_checkpoint, write_target_checkpoint
 
 import dflash_cli.main as cli
@@ -117,19 +116,6 @@ def test_argparse_mistakes_are_one_line_too(capsys):
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and len(err.strip().splitlines()) == 1
     assert err.startswith("dflash plan: error: the following arguments are required: --target, --drafter")
-
-
-def test_an_error_of_the_whole_model_is_its_message_without_an_empty_name():
-    class Run(BaseModel):
-        steps: int
-        warmup_steps: int
-
-        @model_validator(mode="after")
-        def _check(self):
-            raise ValueError("warmup_steps (9) exceeds steps (5)")
-    with pytest.raises(ValidationError) as error:
-        Run(steps=5, warmup_steps=9)
-    assert cli._first_error(error.value, {"--steps"}) == "warmup_steps (9) exceeds steps (5)"
 
 
 @pytest.mark.parametrize("argv, expected", [
