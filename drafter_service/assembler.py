@@ -3,7 +3,7 @@
 
 The drafter loads what it needs of the target (the embedding and lm_head tables) from the target
 checkpoint itself, maps the pool's draft spec layers from the handle (or, for the dense baseline,
-allocates its own per-slot context), and maps the step buffers the target fills. It runs the same in
+allocates its own per-sequence context), and maps the step buffers the target fills. It runs the same in
 the target's process or in its own.
 """
 
@@ -101,7 +101,7 @@ class DrafterAssembler:
             self.buffers = None
 
     def _context(self, pool_handle: PoolHandle):
-        """The draft spec layers of the pool (paged), or a dense per-slot reservation (baseline)."""
+        """The draft spec layers of the pool (paged), or a dense per-sequence reservation (baseline)."""
         args, layout = self.args, pool_handle.layout
         tokens_per_block = layout.spec.tokens_per_block
         own = PoolSpec.from_configs(self.target_config, self.config, tokens_per_block=tokens_per_block,

@@ -4,12 +4,12 @@ Every row the target ran this step is a context row (a rejected draft's row carr
 not stored), so in the steady state a step of B sequences verifying K drafts stores B x (K + 1) rows:
 the same count step after step. Eagerly the projection is ~20 small kernels (the fc and K/V GEMMs,
 the norm, and each draft layer's key norm + RoPE and store) launched one by one with their Python
-checks, the largest host cost of a step (`bench/results/step_host_h200.md`); in the split it is on
+checks, the largest host cost of a step (a cProfile of a graphed B 1 step on an H200); in the split it is on
 the drafter's host, which the target waits for. A graph per row count replays them in one launch.
 
 The context side of the step buffers has fixed addresses, so a graph captured at P rows reads the
-first P rows of taps, positions, sequence slots and pool slots. N rows are padded to the next
-captured P: rows N..P-1 get PAD_SLOT (nothing stored), position 0 and slot 0, so whatever their
+first P rows of taps, positions, sequence indices and pool slots. N rows are padded to the next
+captured P: rows N..P-1 get PAD_SLOT (nothing stored), position 0 and sequence index 0, so whatever their
 taps hold they only cost arithmetic. The sizes are the batch sizes the propose graphs capture times
 the block size (the row counts of uniform steps at K = block_size - 1; a smaller K pads up), capped at
 MAX_ROWS so the graphs' activations stay small beside the pool. Prefill chunks, and anything larger,
@@ -33,7 +33,7 @@ def context_row_sizes(batch_sizes: list[int], block_size: int, max_rows: int) ->
 
 
 class ContextGraphs(PaddedGraphs):
-    """The context store per row count; dummy rows are stored nowhere, at position 0 of slot 0."""
+    """The context store per row count; dummy rows are stored nowhere, at position 0 of sequence index 0."""
 
     what = "context"
 
@@ -41,7 +41,7 @@ class ContextGraphs(PaddedGraphs):
         buffers = self.worker.buffers
         buffers.context_slots[start:end].fill_(PAD_SLOT)
         buffers.context_positions[start:end].zero_()
-        buffers.context_seq_slots[start:end].zero_()
+        buffers.context_seq_indices[start:end].zero_()
 
     def _forward(self, size: int) -> None:
         self.worker.store_rows(size)

@@ -3,7 +3,7 @@
 Both present the same thing to the model: per-layer page views, a slot for each stored token and a
 block-table row for each drafting sequence, so one kernel (`kernels.paged_context_attention`) reads
 either. Paged context shares the target's block ids, so its slots ARE the target's slots. Dense
-context is one buffer reserved up front, `[L, 2, max_num_seqs, padded_len, H, D]`: each sequence slot
+context is one buffer reserved up front, `[L, 2, max_num_seqs, padded_len, H, D]`: each sequence index
 owns a contiguous run of pseudo-pages, and its block-table row is simply that run.
 """
 
@@ -23,16 +23,16 @@ class PagedContext:
     def __init__(self, layers):
         self.caches = list(layers)
 
-    def slot_mapping(self, seq_slots: torch.Tensor, positions: torch.Tensor,
+    def slot_mapping(self, seq_indices: torch.Tensor, positions: torch.Tensor,
                      target_slots: torch.Tensor) -> torch.Tensor:
         return target_slots
 
-    def block_table(self, seq_slots: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
+    def block_table(self, seq_indices: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
         return block_table
 
 
 class DenseContext:
-    """Draft context in a dense per-slot reservation made at start-up (the baseline)."""
+    """Draft context in a dense per-sequence reservation made at start-up (the baseline)."""
 
     kind = "dense"
 
@@ -56,12 +56,12 @@ class DenseContext:
     def nbytes(self) -> int:
         return self.buffer.numel() * self.buffer.element_size()
 
-    def slot_mapping(self, seq_slots: torch.Tensor, positions: torch.Tensor,
+    def slot_mapping(self, seq_indices: torch.Tensor, positions: torch.Tensor,
                      target_slots: torch.Tensor) -> torch.Tensor:
-        slots = seq_slots * (self.pages_per_seq * self.tokens_per_block) + positions
+        slots = seq_indices * (self.pages_per_seq * self.tokens_per_block) + positions
         return torch.where(target_slots == PAD_SLOT, torch.full_like(slots, PAD_SLOT), slots)
 
-    def block_table(self, seq_slots: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
-        """Each slot's own run of pseudo-pages; the pool's block table is not used."""
-        pages = torch.arange(self.pages_per_seq, device=seq_slots.device, dtype=torch.int32)
-        return (seq_slots[:, None].to(torch.int32) * self.pages_per_seq + pages).contiguous()
+    def block_table(self, seq_indices: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
+        """Each sequence index's own run of pseudo-pages; the pool's block table is not used."""
+        pages = torch.arange(self.pages_per_seq, device=seq_indices.device, dtype=torch.int32)
+        return (seq_indices[:, None].to(torch.int32) * self.pages_per_seq + pages).contiguous()

@@ -16,7 +16,7 @@ from foundation.tensor_checks import ANY_INT, KERNEL_INT, check_int_tensor
 class DraftBatch:
     """B sequences drafting one block each.
 
-    bonus_tokens [B]: the newest committed token of each sequence (slot 0 of its noise block).
+    bonus_tokens [B]: the newest committed token of each sequence (position 0 of its noise block).
     start_positions [B]: the bonus token's position; the block covers start..start+K.
     block_table [B, max_blocks] int32: the sequences' block ids (the draft group shares them).
     ctx_lens [B] int32: stored context entries, positions 0..ctx_len-1 (normally ctx_len == start).

@@ -44,8 +44,8 @@ class DraftWorker:
         PAD_SLOT stored nowhere). Fixed shapes for a given num_rows, so `ContextGraphs` captures it."""
         b = self.buffers
         positions = b.context_positions[:num_rows]
-        seq_slots, slots = b.context_seq_slots[:num_rows], b.context_slots[:num_rows]
-        slots = self.context.slot_mapping(seq_slots, positions, slots)
+        seq_indices, slots = b.context_seq_indices[:num_rows], b.context_slots[:num_rows]
+        slots = self.context.slot_mapping(seq_indices, positions, slots)
         self.model.project_context(b.taps[:num_rows], positions, slots, self.context.caches)
 
     def settle(self) -> None:
@@ -54,7 +54,7 @@ class DraftWorker:
     def propose(self, num_seqs: int, num_draft: int, num_block_cols: int) -> None:
         """Draft the whole block the drafter was trained on, and hand back its first num_draft tokens.
 
-        A DFlash drafter learns to fill a block of block_size slots; a shorter noise block is out of
+        A DFlash drafter learns to fill a block of block_size positions; a shorter noise block is out of
         its training distribution (the demo pair measured acceptance 3.4 at K 15 but 1.0 at K 7 with
         shortened blocks). Drafting the full block costs the same weights read for more rows.
         """
@@ -67,10 +67,10 @@ class DraftWorker:
         block_size - 1 columns; the engine reads the first K). Fixed shapes for a given num_seqs and
         num_block_cols, so `ProposeGraphs` captures exactly this."""
         b = self.buffers
-        starts, seq_slots = b.start_positions[:num_seqs], b.seq_slots[:num_seqs]
+        starts, seq_indices = b.start_positions[:num_seqs], b.seq_indices[:num_seqs]
         batch = DraftBatch(
             bonus_tokens=b.bonus_tokens[:num_seqs], start_positions=starts,
-            block_table=self.context.block_table(seq_slots, b.block_table[:num_seqs, :num_block_cols]),
+            block_table=self.context.block_table(seq_indices, b.block_table[:num_seqs, :num_block_cols]),
             ctx_lens=starts.to(torch.int32),
         )
         output = self.model.propose(batch, self.context.caches, self.embed, self.lm_head, self.block_size - 1)

@@ -8,7 +8,7 @@ Two entry points (docs/architecture.md section 7):
 - `propose`, once per step: the noise block [bonus, MASK x K] at positions start..start+K,
   embedded with the TARGET's table, runs through the layers; each query attends to the stored
   context plus all K+1 noise keys with no mask; noise K/V is never stored. The target's lm_head
-  on slots 1..K, then argmax, gives K drafts.
+  at block positions 1..K, then argmax, gives K drafts.
 """
 
 from __future__ import annotations
@@ -56,21 +56,22 @@ class DraftLayer(nn.Module):
 
     def forward(self, x, kv_proj, k_norm, cos, sin, batch: DraftBatch, cache: LayerCache) -> torch.Tensor:
         """x [B, Q, H] noise residual stream; kv_proj [2 * NKV * D, H] (k rows over v rows); k_norm [D]."""
-        batch_size, slots = x.shape[:2]
+        batch_size, block_len = x.shape[:2]
         h = rms_norm(x, self.input_layernorm, self.eps)
-        q = F.linear(h, self.q_proj).view(batch_size, slots, self.num_heads, self.head_dim)
-        k, v = F.linear(h, kv_proj).view(batch_size, slots, 2, self.num_kv_heads, self.head_dim).unbind(2)
-        rows = batch_size * slots  # per-head norm + RoPE, one fused kernel each on a GPU
+        q = F.linear(h, self.q_proj).view(batch_size, block_len, self.num_heads, self.head_dim)
+        k, v = F.linear(h, kv_proj).view(batch_size, block_len, 2, self.num_kv_heads, self.head_dim).unbind(2)
+        rows = batch_size * block_len  # per-head norm + RoPE, one fused kernel each on a GPU
         cos_rows, sin_rows = cos.reshape(rows, -1), sin.reshape(rows, -1)
         q = q.reshape(rows, self.num_heads, self.head_dim)
         q = norm_rope(q, self.q_norm, cos_rows, sin_rows, self.eps)
         k = norm_rope(k.reshape(rows, self.num_kv_heads, self.head_dim), k_norm, cos_rows, sin_rows, self.eps)
-        q, k = q.view(batch_size, slots, self.num_heads, -1), k.view(batch_size, slots, self.num_kv_heads, -1)
+        q = q.view(batch_size, block_len, self.num_heads, -1)
+        k = k.view(batch_size, block_len, self.num_kv_heads, -1)
         attn = paged_context_attention(
             q, cache.k_cache, cache.v_cache, batch.block_table, batch.ctx_lens, k, v,
             scale=self.head_dim**-0.5, k_scale=cache.k_scale, v_scale=cache.v_scale,
         )
-        attn_out = F.linear(attn.reshape(batch_size, slots, -1), self.o_proj)
+        attn_out = F.linear(attn.reshape(batch_size, block_len, -1), self.o_proj)
         mlp_in, x = rms_norm(attn_out, self.post_attention_layernorm, self.eps, residual=x)
         return x + F.linear(silu_and_mul(F.linear(mlp_in, self.gate_up_proj)), self.down_proj)
 
@@ -198,6 +199,6 @@ class DFlashDrafter(nn.Module):
         k_norm = self.k_norm.view(config.num_hidden_layers, config.head_dim)
         for index, layer in enumerate(self.layers):
             x = layer(x, kv_proj[index], k_norm[index], cos, sin, batch, caches[index])
-        out = rms_norm(x[:, 1:], self.norm, config.rms_norm_eps)  # slot k predicts position start + k
+        out = rms_norm(x[:, 1:], self.norm, config.rms_norm_eps)  # block position k: position start + k
         logits = F.linear(out.to(lm_head.dtype), lm_head)  # [B, K, V]; the argmax needs no fp32 copy
         return DraftOutput(logits.argmax(dim=-1), logits.float() if return_logits else None)

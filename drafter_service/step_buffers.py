@@ -5,12 +5,12 @@ Per step the target writes, and the drafter reads, two sides (nothing large cros
 context side, up to `max_context_rows` rows (every row the target ran this step):
     taps              [R, tap_width]  the target's tapped hidden states (n_taps * hidden_size)
     context_positions [R] int64       each row's absolute position
-    context_seq_slots [R] int64       each row's sequence slot (the dense baseline addresses by it)
+    context_seq_indices [R] int64     each row's sequence index (the dense baseline addresses by it)
     context_slots     [R] int64       each row's pool slot; PAD_SLOT skips the row (rejected drafts)
 propose side, up to `max_num_seqs` rows (one per drafting sequence):
-    bonus_tokens      [S] int64       the newest committed token (slot 0 of the noise block)
+    bonus_tokens      [S] int64       the newest committed token (position 0 of the noise block)
     start_positions   [S] int64       its position; the stored context is positions 0..start-1
-    seq_slots         [S] int64
+    seq_indices       [S] int64
     block_table       [S, M] int32    the sequence's block ids, zero-padded to M columns
     draft_tokens      [S, K] int64    written back by the drafter
 
@@ -55,11 +55,11 @@ class StepBufferLayout(BaseModel):
         return {
             "taps": ((rows, self.tap_width), getattr(torch, self.tap_dtype)),
             "context_positions": ((rows,), _INT),
-            "context_seq_slots": ((rows,), _INT),
+            "context_seq_indices": ((rows,), _INT),
             "context_slots": ((rows,), _INT),
             "bonus_tokens": ((seqs,), _INT),
             "start_positions": ((seqs,), _INT),
-            "seq_slots": ((seqs,), _INT),
+            "seq_indices": ((seqs,), _INT),
             "block_table": ((seqs, self.max_blocks_per_seq), torch.int32),
             "draft_tokens": ((seqs, self.max_num_draft), _INT),
         }
@@ -128,25 +128,25 @@ class StepBuffers:
 
     # ---- the target's side: stage one step ------------------------------------------------------
 
-    def stage_context(self, taps: torch.Tensor, positions, seq_slots, slots) -> int:
+    def stage_context(self, taps: torch.Tensor, positions, seq_indices, slots) -> int:
         """Write the context side's first N rows (taps [N, tap_width]); returns N.
 
-        positions, seq_slots, slots: N ints each, as lists or as integer tensors (on the buffers'
+        positions, seq_indices, slots: N ints each, as lists or as integer tensors (on the buffers'
         device they are copied there without a trip through the host)."""
         count = taps.shape[0]
         self.check_context_rows(count)
         if taps.dim() != 2 or taps.shape[1] != self.layout.tap_width:
             raise ValueError(f"taps must be [N, {self.layout.tap_width}], got {tuple(taps.shape)}")
-        for name, values in (("positions", positions), ("seq_slots", seq_slots), ("slots", slots)):
+        for name, values in (("positions", positions), ("seq_indices", seq_indices), ("slots", slots)):
             if len(values) != count:
                 raise ValueError(f"{name} has {len(values)} rows, taps has {count}")
         self.taps[:count].copy_(taps)
         self._write(self.context_positions, positions)
-        self._write(self.context_seq_slots, seq_slots)
+        self._write(self.context_seq_indices, seq_indices)
         self._write(self.context_slots, slots)
         return count
 
-    def stage_propose(self, bonus_tokens: list[int], start_positions: list[int], seq_slots: list[int],
+    def stage_propose(self, bonus_tokens: list[int], start_positions: list[int], seq_indices: list[int],
                       block_tables: list[list[int]]) -> int:
         """Write the propose side's first B rows; returns the block-table columns used."""
         count = len(bonus_tokens)
@@ -155,24 +155,24 @@ class StepBuffers:
         self.check_propose(count, 1, columns)
         self._write(self.bonus_tokens, bonus_tokens)
         self._write(self.start_positions, start_positions)
-        self._write(self.seq_slots, seq_slots)
+        self._write(self.seq_indices, seq_indices)
         padded = [list(table) + [0] * (columns - len(table)) for table in block_tables]
         self.block_table[:count, :columns].copy_(to_device(padded, torch.int32, self.block_table.device))
         return columns
 
     def stage_propose_tensors(self, bonus_tokens: torch.Tensor, start_positions: torch.Tensor,
-                              seq_slots: torch.Tensor, block_table: torch.Tensor) -> int:
+                              seq_indices: torch.Tensor, block_table: torch.Tensor) -> int:
         """`stage_propose` from tensors on the buffers' device ([B] int64 each, block_table [B, M]
         int32): a step launched before the host knows its inputs stages them without a host trip."""
         count, columns = block_table.shape
         self.check_propose(count, 1, columns)
-        for name, values in (("start_positions", start_positions), ("seq_slots", seq_slots),
+        for name, values in (("start_positions", start_positions), ("seq_indices", seq_indices),
                              ("bonus_tokens", bonus_tokens)):
             if values.shape != (count,):
                 raise ValueError(f"{name} must be [{count}] (block_table's rows), got {tuple(values.shape)}")
         self._write(self.bonus_tokens, bonus_tokens)
         self._write(self.start_positions, start_positions)
-        self._write(self.seq_slots, seq_slots)
+        self._write(self.seq_indices, seq_indices)
         self.block_table[:count, :columns].copy_(block_table)
         return columns
 

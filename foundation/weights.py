@@ -139,9 +139,9 @@ def check_tensors(index: TensorIndex, layout: Mapping[str, WeightSlot], what: st
     (unless the caller reads a part of the checkpoint on purpose: `warn_unused=False`)."""
     missing = [name for name in layout if name not in index]
     misshaped = [
-        f"{name} {list(index.shape(name))} (expected {list(slot.shape)})"
-        for name, slot in layout.items()
-        if name in index and index.shape(name) != tuple(slot.shape)
+        f"{name} {list(index.shape(name))} (expected {list(entry.shape)})"
+        for name, entry in layout.items()
+        if name in index and index.shape(name) != tuple(entry.shape)
     ]
     problems = []
     if missing:
@@ -195,13 +195,13 @@ def load_weights(
 ) -> None:
     """Copy every checkpoint tensor of `layout` into its slice of `module`'s parameters (cast, moved)."""
     params = dict(module.named_parameters())
-    total = sum(math.prod(slot.shape) for slot in layout.values())
+    total = sum(math.prod(entry.shape) for entry in layout.values())
     meter = LoadProgress(f"loading {index.directory}", total, len(layout), progress)
     try:
         with torch.no_grad():
             for name, tensor in index.read(list(layout)):
-                slot = layout[name]
-                params[slot.param][slot.row : slot.row + slot.shape[0]].copy_(tensor)
+                entry = layout[name]
+                params[entry.param][entry.row : entry.row + entry.shape[0]].copy_(tensor)
                 meter.advance(tensor.numel())
     finally:
         meter.finish()

@@ -100,7 +100,7 @@ def build_pool(args: PoolArgs) -> KVPool:
                        max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len)
     layout = PoolLayout.create(sizing.spec, sizing.num_blocks)
     memory = PoolMemory.create(layout, args.device, share=args.share)
-    # A prefix hit restores the draft context from the pool's pages; dense context lives per slot
+    # A prefix hit restores the draft context from the pool's pages; dense context lives per sequence index
     # outside the pool, so a hit could not restore it: the dense baseline runs without the cache.
     prefix_caching = args.enable_prefix_caching and sizing.dense_context_bytes == 0
     blocks = BlockManager.from_layout(layout, max_num_seqs=args.max_num_seqs,

@@ -53,7 +53,7 @@ class _OpenPlan(NamedTuple):
 
 
 class BlockManager:
-    """Blocks, slots and the prefix cache of one pool. Not thread-safe: one caller at a time."""
+    """Blocks, sequence indices and the prefix cache of one pool. Not thread-safe: one caller at a time."""
 
     def __init__(self, num_blocks: int, tokens_per_block: int, *, max_num_seqs: int, max_model_len: int,
                  watermark: float = 0.01, epoch: int = 0, enable_prefix_caching: bool = True):
@@ -73,7 +73,7 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self._ref_count = [0] * num_blocks
         self._free: deque[int] = deque(range(num_blocks))
-        self._free_slots = list(range(max_num_seqs))  # a min-heap: the lowest free slot is reused first
+        self._free_seq_indices = list(range(max_num_seqs))  # a min-heap: the lowest is reused first
         self._cache = PrefixCache()
         self._seqs: dict[int, SequenceBlocks] = {}
 
@@ -151,18 +151,18 @@ class BlockManager:
     # ---- open -----------------------------------------------------------------------------------
 
     def open(self, requests: Sequence[OpenRequest]) -> list[OpenResult]:
-        """Give each new sequence a slot, its prefix-cache hit and blocks for its whole prompt.
+        """Give each new sequence an index, its prefix-cache hit and blocks for its whole prompt.
 
         Admission leaves `watermark_blocks` available for the running sequences to grow into.
         """
         self._check_batch_size(requests, "open")
         plans = [self._plan_open(request) for request in requests]
         self._check_new_ids([plan.seq_id for plan in plans])
-        if len(plans) > len(self._free_slots):
+        if len(plans) > len(self._free_seq_indices):
             raise PoolExhausted(
-                f"{len(plans)} sequences to open but only {len(self._free_slots)} of "
-                f"{self.max_num_seqs} slots are free", needed=len(plans), available=len(self._free_slots),
-                resource="slots")
+                f"{len(plans)} sequences to open but only {len(self._free_seq_indices)} of "
+                f"{self.max_num_seqs} sequence indices are free", needed=len(plans),
+                available=len(self._free_seq_indices), resource="sequences")
         # Hits on cached (refcount 0) blocks take them out of the evictable set before any allocation.
         revived = {block for plan in plans for block in plan.hits if self._ref_count[block] == 0}
         needed = sum(plan.num_new_blocks for plan in plans)
@@ -200,19 +200,19 @@ class BlockManager:
         return _OpenPlan(seq_id, tokens, hits, num_blocks - len(hits))
 
     def _start(self, plan: _OpenPlan) -> OpenResult:
-        slot = heapq.heappop(self._free_slots)
+        seq_index = heapq.heappop(self._free_seq_indices)
         for block in plan.hits:
             self._ref_count[block] += 1
         block_table = plan.hits + self._allocate(plan.num_new_blocks)
         num_cached = len(plan.hits) * self.tokens_per_block
         self._seqs[plan.seq_id] = SequenceBlocks(
-            seq_id=plan.seq_id, slot=slot, block_table=block_table, num_cached_tokens=num_cached,
+            seq_id=plan.seq_id, seq_index=seq_index, block_table=block_table, num_cached_tokens=num_cached,
             num_tokens=num_cached, num_context=num_cached, token_ids=plan.token_ids,
             num_hashed_blocks=len(plan.hits),
             last_hash=self._cache.hash_of(plan.hits[-1]) if plan.hits else None,
         )
         self._cache.record_query(len(plan.token_ids), num_cached)
-        return OpenResult(plan.seq_id, slot, num_cached, list(block_table))
+        return OpenResult(plan.seq_id, seq_index, num_cached, list(block_table))
 
     # ---- reserve --------------------------------------------------------------------------------
 
@@ -334,7 +334,7 @@ class BlockManager:
     # ---- close ----------------------------------------------------------------------------------
 
     def close(self, seq_ids: Sequence[int]) -> None:
-        """Release the sequences' blocks and slots; registered blocks stay matchable as cached."""
+        """Release the sequences' blocks and indices; registered blocks stay matchable as cached."""
         self._check_batch_size(seq_ids, "close")
         seqs = [self.get(seq_id) for seq_id in seq_ids]
         check_unique([seq.seq_id for seq in seqs])
@@ -347,7 +347,7 @@ class BlockManager:
                         self._cache.park(block)
                     else:
                         self._free.append(block)
-            heapq.heappush(self._free_slots, seq.slot)
+            heapq.heappush(self._free_seq_indices, seq.seq_index)
             del self._seqs[seq.seq_id]
 
     # ---- helpers --------------------------------------------------------------------------------

@@ -141,7 +141,7 @@ class KVPoolClient:
             pb.SequencePrompt(seq_id=seq_id, prompt_token_ids=prompt) for seq_id, prompt in requests]),
             "open request")
         response = self._call(self._stub.Open, request, timeout)
-        return [OpenResult(s.seq_id, s.slot, s.num_cached_tokens, list(s.block_table))
+        return [OpenResult(s.seq_id, s.seq_index, s.num_cached_tokens, list(s.block_table))
                 for s in response.sequences]
 
     def reserve(self, requests: Sequence[ReserveRequest], timeout: float | None = None) -> list[list[int]]:

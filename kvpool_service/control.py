@@ -19,7 +19,7 @@ class OpenRequest(NamedTuple):
 
 class OpenResult(NamedTuple):
     seq_id: int
-    slot: int  # the sequence's row in the block tables
+    seq_index: int  # the sequence's row in the pool's per-sequence tables (0..max_num_seqs-1)
     num_cached_tokens: int  # restored from the prefix cache: target K/V and draft context both
     block_table: list[int]  # the sequence's block ids, covering the prompt
 
@@ -83,7 +83,7 @@ class PoolControl(Protocol):
         ...
 
     def close(self, seq_ids: Sequence[int]) -> None:
-        """Release the sequences' blocks and slots."""
+        """Release the sequences' blocks and indices."""
         ...
 
     def stats(self) -> PoolUsage: ...

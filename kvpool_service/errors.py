@@ -14,9 +14,9 @@ class PoolError(Exception):
 
 
 class PoolExhausted(PoolError):
-    """Not enough free blocks (or slots) now; the scheduler may preempt or wait and retry.
+    """Not enough free blocks (or sequence indices) now; the scheduler may preempt or wait and retry.
 
-    `resource` says what ran out, "blocks" or "slots"; `needed` and `available` count it, and
+    `resource` says what ran out, "blocks" or "sequences"; `needed` and `available` count it, and
     `shortfall` is how many the caller must release before the same request can succeed.
     """
 

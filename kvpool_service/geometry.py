@@ -130,7 +130,7 @@ class PoolSpec(BaseModel):
 
 
 def dense_context_bytes(spec: PoolSpec, *, max_num_seqs: int, max_model_len: int) -> int:
-    """Bytes of the dense baseline's draft context: every slot holds max_model_len positions, padded
+    """Bytes of the dense baseline's draft context: every sequence index holds max_model_len positions, padded
     to whole pages (`drafter_service.context_storage.DenseContext` allocates exactly this)."""
     if spec.draft is None:
         return 0

@@ -24,7 +24,7 @@ class SequenceBlocks:
 
     | field                        | set at | updated by       | meaning                                 |
     | ---------------------------- | ------ | ---------------- | --------------------------------------- |
-    | seq_id, slot                 | open   | -                | caller's id; row in the block tables    |
+    | seq_id, seq_index            | open   | -                | caller's id; row in the block tables    |
     | block_table                  | open   | reserve (append) | block ids; position p in block p // tpb |
     | num_cached_tokens            | open   | -                | prefix-cache hit, skipped by prefill    |
     | num_tokens, num_context      | open   | commit           | target K/V written; draft context kept  |
@@ -33,7 +33,7 @@ class SequenceBlocks:
     """
 
     seq_id: int
-    slot: int
+    seq_index: int
     block_table: list[int]
     num_cached_tokens: int
     num_tokens: int

@@ -70,7 +70,7 @@ class KVPoolServicer(kvpool_pb2_grpc.KVPoolServicer):
         self._check_epoch(request.epoch)
         results = self.blocks.open([OpenRequest(s.seq_id, s.prompt_token_ids) for s in request.sequences])
         return pb.OpenResponse(sequences=[
-            pb.OpenedSequence(seq_id=r.seq_id, slot=r.slot, num_cached_tokens=r.num_cached_tokens,
+            pb.OpenedSequence(seq_id=r.seq_id, seq_index=r.seq_index, num_cached_tokens=r.num_cached_tokens,
                               block_table=r.block_table) for r in results])
 
     async def Reserve(self, request: pb.ReserveRequest, context) -> pb.ReserveResponse:
@@ -239,7 +239,7 @@ class KVPoolServer:
         changes the pool (the admin port of a serving replica, whose engine owns the BlockManager)."""
         if blocks.epoch != layout.epoch:
             raise ValueError(f"the BlockManager's epoch {blocks.epoch} is not the layout's {layout.epoch}")
-        # Room for the largest valid Open: every slot with a max_model_len prompt (5 bytes a token).
+        # Room for the largest valid Open: every sequence with a max_model_len prompt (5 bytes a token).
         max_message = min(2**31 - 1, max(4 << 20, blocks.max_num_seqs * blocks.max_model_len * 6 + (1 << 20)))
         interceptors = ([BearerTokenAuth(token)] if token else []) + [_StatusMapper()]
         # so_reuseport off: gRPC turns it on by default, and then a second pool started on a port in use

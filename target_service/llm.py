@@ -19,7 +19,7 @@ class LLM:
 
     With no target it serves the built-in demo pair (`target_service.assembly.demo`), speculatively unless
     drafter="none". With a target but no drafter (or drafter="none") it decodes plainly.
-    `context_storage="dense"` reserves the draft context up front per slot (the baseline) instead of
+    `context_storage="dense"` reserves the draft context up front per sequence (the baseline) instead of
     paging it in the pool.
 
     `services="inprocess"` (the default) assembles the pool, drafter and target in this process;

@@ -1,14 +1,14 @@
 """DFlash training blocks: anchor sampling, the block attention mask, labels and loss weights.
 
 One training sequence of S tokens carries n blocks. Block j starts at anchor p_j: its input is
-[x_{p_j}, MASK x (B-1)] at positions p_j..p_j+B-1, and slot k (k >= 1) is trained to predict
-x_{p_j+k}. What a block may see mirrors inference exactly (dflash.md sections 2 and 3.2):
+[x_{p_j}, MASK x (B-1)] at positions p_j..p_j+B-1, and block position k (k >= 1) is trained to predict
+x_{p_j+k}. What a block may see mirrors inference exactly (docs/architecture.md section 7):
   - the target's context at positions strictly before its anchor (kv < p_j: at inference the
     bonus token at `start` has no context entry yet);
-  - all B slots of its own block, bidirectionally;
+  - all B positions of its own block, bidirectionally;
   - nothing of any other block.
 The mask is laid out per block, [b, n, B, S + B]: columns 0..S-1 are the context, S..S+B-1 the
-block's own slots, so attention costs n*B*(S+B) rather than (n*B)^2 for a joint layout.
+block's own positions, so attention costs n*B*(S+B) rather than (n*B)^2 for a joint layout.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ class Blocks(NamedTuple):
     """n blocks per sequence.
 
     anchors [b, n] int64 (sorted; 0 where unused), keep [b, n] bool (a real block, not padding),
-    noise_ids [b, n, B], positions [b, n, B], labels [b, n, B] (x_{p+k}; slot 0 unused),
+    noise_ids [b, n, B], positions [b, n, B], labels [b, n, B] (x_{p+k}; block position 0 unused),
     weights [b, n, B] float32 (0 where no loss), mask [b, n, B, S + B] bool (True: may attend).
     """
 
@@ -36,7 +36,7 @@ class Blocks(NamedTuple):
 
 
 def loss_decay(block_size: int, gamma: float) -> torch.Tensor:
-    """[B] weights per slot: 0 for slot 0, exp(-(k-1)/gamma) for slot k >= 1 (DFlash Eq. 4)."""
+    """[B] weights per block position: 0 for 0, exp(-(k-1)/gamma) for k >= 1 (DFlash Eq. 4)."""
     if gamma <= 0:
         raise ValueError(f"gamma must be positive, got {gamma}")
     k = torch.arange(block_size, dtype=torch.float32)
@@ -103,9 +103,9 @@ def build_blocks(input_ids: torch.Tensor, lengths: torch.Tensor, loss_mask: torc
 
 def weighted_block_loss(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor
                         ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(loss, accuracy) over slots 1..B-1: sum w * CE / sum w; accuracy on the w > 0 slots.
+    """(loss, accuracy) over block positions 1..B-1: sum w * CE / sum w; accuracy where w > 0.
 
-    logits [b, n, B-1, V] for slots 1..B-1; labels, weights [b, n, B] (slot 0 dropped here).
+    logits [b, n, B-1, V] for block positions 1..B-1; labels, weights [b, n, B] (position 0 dropped here).
     """
     labels, weights = labels[..., 1:], weights[..., 1:]
     ce = torch.nn.functional.cross_entropy(logits.float().flatten(0, -2), labels.flatten(), reduction="none")

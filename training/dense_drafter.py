@@ -8,7 +8,7 @@ The math is the serving drafter's (drafter_service.model), step for step:
   per layer, noise        h = input_layernorm(x); q, k, v from h with q_norm / k_norm and RoPE at
                           the block's positions; each block's queries attend to [context | own
                           block] under `anchors.Blocks.mask`
-  out      norm(x) on slots 1..B-1, then the TARGET's lm_head.
+  out      norm(x) at block positions 1..B-1, then the TARGET's lm_head.
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ class DenseDFlashDrafter(nn.Module):
 
     def forward(self, taps: torch.Tensor, blocks: Blocks, embed: torch.Tensor, lm_head: torch.Tensor
                 ) -> torch.Tensor:
-        """Logits [b, n, B-1, V] of slots 1..B-1 for every block.
+        """Logits [b, n, B-1, V] of block positions 1..B-1 for every block.
 
         taps [b, S, n_taps * H]: the frozen target's tapped hidden states of the whole sequence
         (teacher forcing); embed, lm_head [V, H]: the target's tables.

@@ -47,10 +47,10 @@ class PromptLookupDrafter:
     def propose(self, num_seqs: int, num_draft: int, num_block_cols: int) -> None:
         """Drafts for the step buffers' first num_seqs sequences, written where the engine reads them."""
         buffers = self.step_buffers
-        by_slot = {seq.slot: seq for seq in self.engine.running_sequences()}
+        by_index = {seq.seq_index: seq for seq in self.engine.running_sequences()}
         rows = []
-        slots, starts = buffers.seq_slots[:num_seqs].tolist(), buffers.start_positions[:num_seqs].tolist()
-        for slot, start in zip(slots, starts):
-            tokens = by_slot[slot].token_ids[: start + 1]  # up to and including the bonus
+        indices, starts = buffers.seq_indices[:num_seqs].tolist(), buffers.start_positions[:num_seqs].tolist()
+        for seq_index, start in zip(indices, starts):
+            tokens = by_index[seq_index].token_ids[: start + 1]  # up to and including the bonus
             rows.append(lookup(tokens, num_draft, max_ngram=self.max_ngram, min_ngram=self.min_ngram))
         buffers.draft_tokens[:num_seqs, :num_draft].copy_(torch.tensor(rows))

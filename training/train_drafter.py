@@ -1,4 +1,6 @@
-"""`dflash train drafter`: a DFlash drafter for a frozen target (dflash.md section 3), then its acceptance.
+"""`dflash train drafter`: a DFlash drafter for a frozen target, then its acceptance.
+
+The recipe: docs/architecture.md section 7, "As trained".
 
 target (HF layout, with tokenizer.json) -> corpus split -> the target's own continuations of train
 prefixes through the engine + raw corpus windows -> per step: frozen target taps (teacher forcing),

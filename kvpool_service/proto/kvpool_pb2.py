@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1d\x64\x66lash/kvpool/v1/kvpool.proto\x12\x10\x64\x66lash.kvpool.v1\":\n\x0eSequencePrompt\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\"Q\n\x0bOpenRequest\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x33\n\tsequences\x18\x02 \x03(\x0b\x32 .dflash.kvpool.v1.SequencePrompt\"^\n\x0eOpenedSequence\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x0c\n\x04slot\x18\x02 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x03 \x01(\r\x12\x13\n\x0b\x62lock_table\x18\x04 \x03(\r\"C\n\x0cOpenResponse\x12\x33\n\tsequences\x18\x01 \x03(\x0b\x32 .dflash.kvpool.v1.OpenedSequence\"A\n\x0eReserveRequest\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x0f\n\x07seq_ids\x18\x02 \x03(\x04\x12\x0f\n\x07lengths\x18\x03 \x03(\r\"<\n\x0fReserveResponse\x12\x16\n\x0enum_new_blocks\x18\x01 \x03(\r\x12\x11\n\tblock_ids\x18\x02 \x03(\r\"\x86\x01\n\rCommitRequest\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x0f\n\x07seq_ids\x18\x02 \x03(\x04\x12\x12\n\nnum_tokens\x18\x03 \x03(\r\x12\x13\n\x0bnum_context\x18\x04 \x03(\r\x12\x19\n\x11num_new_token_ids\x18\x05 \x03(\r\x12\x11\n\ttoken_ids\x18\x06 \x03(\r\"\x10\n\x0e\x43ommitResponse\".\n\x0c\x43loseRequest\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x0f\n\x07seq_ids\x18\x02 \x03(\x04\"\x0f\n\rCloseResponse\"\x12\n\x10GetLayoutRequest\"~\n\nLayerGroup\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nnum_layers\x18\x02 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x03 \x01(\r\x12\x10\n\x08head_dim\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x17\n\x0f\x62ytes_per_token\x18\x06 \x01(\x04\"\xd3\x01\n\x06Layout\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x18\n\x10tokens_per_block\x18\x02 \x01(\r\x12\x12\n\nnum_blocks\x18\x03 \x01(\x04\x12,\n\x06groups\x18\x04 \x03(\x0b\x32\x1c.dflash.kvpool.v1.LayerGroup\x12\x17\n\x0f\x62ytes_per_token\x18\x05 \x01(\x04\x12\x14\n\x0cmax_num_seqs\x18\x06 \x01(\r\x12\x15\n\rmax_model_len\x18\x07 \x01(\r\x12\x18\n\x10watermark_blocks\x18\x08 \x01(\x04\"\x12\n\x10PoolStatsRequest\"\x94\x01\n\nGroupStats\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nnum_blocks\x18\x02 \x01(\x04\x12\x17\n\x0fnum_free_blocks\x18\x03 \x01(\x04\x12\x19\n\x11num_cached_blocks\x18\x04 \x01(\x04\x12\x17\n\x0fnum_used_blocks\x18\x05 \x01(\x04\x12\x17\n\x0f\x62ytes_per_token\x18\x06 \x01(\x04\"\xe6\x01\n\x11PoolStatsResponse\x12,\n\x06groups\x18\x01 \x03(\x0b\x32\x1c.dflash.kvpool.v1.GroupStats\x12\x18\n\x10tokens_per_block\x18\x02 \x01(\r\x12\x10\n\x08num_seqs\x18\x03 \x01(\r\x12\x1d\n\x15prefix_cache_hit_rate\x18\x04 \x01(\x01\x12\x1c\n\x14prefix_cache_queries\x18\x05 \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\x06 \x01(\x04\x12\r\n\x05\x65poch\x18\x07 \x01(\x04\x12\x10\n\x08uptime_s\x18\x08 \x01(\x01\x32\xd7\x03\n\x06KVPool\x12\x45\n\x04Open\x12\x1d.dflash.kvpool.v1.OpenRequest\x1a\x1e.dflash.kvpool.v1.OpenResponse\x12N\n\x07Reserve\x12 .dflash.kvpool.v1.ReserveRequest\x1a!.dflash.kvpool.v1.ReserveResponse\x12K\n\x06\x43ommit\x12\x1f.dflash.kvpool.v1.CommitRequest\x1a .dflash.kvpool.v1.CommitResponse\x12H\n\x05\x43lose\x12\x1e.dflash.kvpool.v1.CloseRequest\x1a\x1f.dflash.kvpool.v1.CloseResponse\x12I\n\tGetLayout\x12\".dflash.kvpool.v1.GetLayoutRequest\x1a\x18.dflash.kvpool.v1.Layout\x12T\n\tPoolStats\x12\".dflash.kvpool.v1.PoolStatsRequest\x1a#.dflash.kvpool.v1.PoolStatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1d\x64\x66lash/kvpool/v1/kvpool.proto\x12\x10\x64\x66lash.kvpool.v1\":\n\x0eSequencePrompt\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\"Q\n\x0bOpenRequest\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x33\n\tsequences\x18\x02 \x03(\x0b\x32 .dflash.kvpool.v1.SequencePrompt\"c\n\x0eOpenedSequence\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x11\n\tseq_index\x18\x02 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x03 \x01(\r\x12\x13\n\x0b\x62lock_table\x18\x04 \x03(\r\"C\n\x0cOpenResponse\x12\x33\n\tsequences\x18\x01 \x03(\x0b\x32 .dflash.kvpool.v1.OpenedSequence\"A\n\x0eReserveRequest\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x0f\n\x07seq_ids\x18\x02 \x03(\x04\x12\x0f\n\x07lengths\x18\x03 \x03(\r\"<\n\x0fReserveResponse\x12\x16\n\x0enum_new_blocks\x18\x01 \x03(\r\x12\x11\n\tblock_ids\x18\x02 \x03(\r\"\x86\x01\n\rCommitRequest\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x0f\n\x07seq_ids\x18\x02 \x03(\x04\x12\x12\n\nnum_tokens\x18\x03 \x03(\r\x12\x13\n\x0bnum_context\x18\x04 \x03(\r\x12\x19\n\x11num_new_token_ids\x18\x05 \x03(\r\x12\x11\n\ttoken_ids\x18\x06 \x03(\r\"\x10\n\x0e\x43ommitResponse\".\n\x0c\x43loseRequest\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x0f\n\x07seq_ids\x18\x02 \x03(\x04\"\x0f\n\rCloseResponse\"\x12\n\x10GetLayoutRequest\"~\n\nLayerGroup\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nnum_layers\x18\x02 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x03 \x01(\r\x12\x10\n\x08head_dim\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x17\n\x0f\x62ytes_per_token\x18\x06 \x01(\x04\"\xd3\x01\n\x06Layout\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x18\n\x10tokens_per_block\x18\x02 \x01(\r\x12\x12\n\nnum_blocks\x18\x03 \x01(\x04\x12,\n\x06groups\x18\x04 \x03(\x0b\x32\x1c.dflash.kvpool.v1.LayerGroup\x12\x17\n\x0f\x62ytes_per_token\x18\x05 \x01(\x04\x12\x14\n\x0cmax_num_seqs\x18\x06 \x01(\r\x12\x15\n\rmax_model_len\x18\x07 \x01(\r\x12\x18\n\x10watermark_blocks\x18\x08 \x01(\x04\"\x12\n\x10PoolStatsRequest\"\x94\x01\n\nGroupStats\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nnum_blocks\x18\x02 \x01(\x04\x12\x17\n\x0fnum_free_blocks\x18\x03 \x01(\x04\x12\x19\n\x11num_cached_blocks\x18\x04 \x01(\x04\x12\x17\n\x0fnum_used_blocks\x18\x05 \x01(\x04\x12\x17\n\x0f\x62ytes_per_token\x18\x06 \x01(\x04\"\xe6\x01\n\x11PoolStatsResponse\x12,\n\x06groups\x18\x01 \x03(\x0b\x32\x1c.dflash.kvpool.v1.GroupStats\x12\x18\n\x10tokens_per_block\x18\x02 \x01(\r\x12\x10\n\x08num_seqs\x18\x03 \x01(\r\x12\x1d\n\x15prefix_cache_hit_rate\x18\x04 \x01(\x01\x12\x1c\n\x14prefix_cache_queries\x18\x05 \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\x06 \x01(\x04\x12\r\n\x05\x65poch\x18\x07 \x01(\x04\x12\x10\n\x08uptime_s\x18\x08 \x01(\x01\x32\xd7\x03\n\x06KVPool\x12\x45\n\x04Open\x12\x1d.dflash.kvpool.v1.OpenRequest\x1a\x1e.dflash.kvpool.v1.OpenResponse\x12N\n\x07Reserve\x12 .dflash.kvpool.v1.ReserveRequest\x1a!.dflash.kvpool.v1.ReserveResponse\x12K\n\x06\x43ommit\x12\x1f.dflash.kvpool.v1.CommitRequest\x1a .dflash.kvpool.v1.CommitResponse\x12H\n\x05\x43lose\x12\x1e.dflash.kvpool.v1.CloseRequest\x1a\x1f.dflash.kvpool.v1.CloseResponse\x12I\n\tGetLayout\x12\".dflash.kvpool.v1.GetLayoutRequest\x1a\x18.dflash.kvpool.v1.Layout\x12T\n\tPoolStats\x12\".dflash.kvpool.v1.PoolStatsRequest\x1a#.dflash.kvpool.v1.PoolStatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,33 +37,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_OPENREQUEST']._serialized_start=111
   _globals['_OPENREQUEST']._serialized_end=192
   _globals['_OPENEDSEQUENCE']._serialized_start=194
-  _globals['_OPENEDSEQUENCE']._serialized_end=288
-  _globals['_OPENRESPONSE']._serialized_start=290
-  _globals['_OPENRESPONSE']._serialized_end=357
-  _globals['_RESERVEREQUEST']._serialized_start=359
-  _globals['_RESERVEREQUEST']._serialized_end=424
-  _globals['_RESERVERESPONSE']._serialized_start=426
-  _globals['_RESERVERESPONSE']._serialized_end=486
-  _globals['_COMMITREQUEST']._serialized_start=489
-  _globals['_COMMITREQUEST']._serialized_end=623
-  _globals['_COMMITRESPONSE']._serialized_start=625
-  _globals['_COMMITRESPONSE']._serialized_end=641
-  _globals['_CLOSEREQUEST']._serialized_start=643
-  _globals['_CLOSEREQUEST']._serialized_end=689
-  _globals['_CLOSERESPONSE']._serialized_start=691
-  _globals['_CLOSERESPONSE']._serialized_end=706
-  _globals['_GETLAYOUTREQUEST']._serialized_start=708
-  _globals['_GETLAYOUTREQUEST']._serialized_end=726
-  _globals['_LAYERGROUP']._serialized_start=728
-  _globals['_LAYERGROUP']._serialized_end=854
-  _globals['_LAYOUT']._serialized_start=857
-  _globals['_LAYOUT']._serialized_end=1068
-  _globals['_POOLSTATSREQUEST']._serialized_start=1070
-  _globals['_POOLSTATSREQUEST']._serialized_end=1088
-  _globals['_GROUPSTATS']._serialized_start=1091
-  _globals['_GROUPSTATS']._serialized_end=1239
-  _globals['_POOLSTATSRESPONSE']._serialized_start=1242
-  _globals['_POOLSTATSRESPONSE']._serialized_end=1472
-  _globals['_KVPOOL']._serialized_start=1475
-  _globals['_KVPOOL']._serialized_end=1946
+  _globals['_OPENEDSEQUENCE']._serialized_end=293
+  _globals['_OPENRESPONSE']._serialized_start=295
+  _globals['_OPENRESPONSE']._serialized_end=362
+  _globals['_RESERVEREQUEST']._serialized_start=364
+  _globals['_RESERVEREQUEST']._serialized_end=429
+  _globals['_RESERVERESPONSE']._serialized_start=431
+  _globals['_RESERVERESPONSE']._serialized_end=491
+  _globals['_COMMITREQUEST']._serialized_start=494
+  _globals['_COMMITREQUEST']._serialized_end=628
+  _globals['_COMMITRESPONSE']._serialized_start=630
+  _globals['_COMMITRESPONSE']._serialized_end=646
+  _globals['_CLOSEREQUEST']._serialized_start=648
+  _globals['_CLOSEREQUEST']._serialized_end=694
+  _globals['_CLOSERESPONSE']._serialized_start=696
+  _globals['_CLOSERESPONSE']._serialized_end=711
+  _globals['_GETLAYOUTREQUEST']._serialized_start=713
+  _globals['_GETLAYOUTREQUEST']._serialized_end=731
+  _globals['_LAYERGROUP']._serialized_start=733
+  _globals['_LAYERGROUP']._serialized_end=859
+  _globals['_LAYOUT']._serialized_start=862
+  _globals['_LAYOUT']._serialized_end=1073
+  _globals['_POOLSTATSREQUEST']._serialized_start=1075
+  _globals['_POOLSTATSREQUEST']._serialized_end=1093
+  _globals['_GROUPSTATS']._serialized_start=1096
+  _globals['_GROUPSTATS']._serialized_end=1244
+  _globals['_POOLSTATSRESPONSE']._serialized_start=1247
+  _globals['_POOLSTATSRESPONSE']._serialized_end=1477
+  _globals['_KVPOOL']._serialized_start=1480
+  _globals['_KVPOOL']._serialized_end=1951
 # @@protoc_insertion_point(module_scope)

@@ -24,16 +24,16 @@ class OpenRequest(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., sequences: _Optional[_Iterable[_Union[SequencePrompt, _Mapping]]] = ...) -> None: ...
 
 class OpenedSequence(_message.Message):
-    __slots__ = ("seq_id", "slot", "num_cached_tokens", "block_table")
+    __slots__ = ("seq_id", "seq_index", "num_cached_tokens", "block_table")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
-    SLOT_FIELD_NUMBER: _ClassVar[int]
+    SEQ_INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_TABLE_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
-    slot: int
+    seq_index: int
     num_cached_tokens: int
     block_table: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, seq_id: _Optional[int] = ..., slot: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., block_table: _Optional[_Iterable[int]] = ...) -> None: ...
+    def __init__(self, seq_id: _Optional[int] = ..., seq_index: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., block_table: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class OpenResponse(_message.Message):
     __slots__ = ("sequences",)

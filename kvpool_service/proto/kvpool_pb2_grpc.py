@@ -92,7 +92,7 @@ class KVPoolServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Close(self, request, context):
-        """Release sequences: their blocks (cached ones stay matchable) and slots.
+        """Release sequences: their blocks (cached ones stay matchable) and indices.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

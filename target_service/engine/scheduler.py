@@ -2,7 +2,7 @@
 
 Each step it (1) grows the capacity of every decoding sequence to hold its verify block, preempting
 the newest running sequences when pages run out, (2) continues running prefills in chunks, and
-(3) admits waiting requests while slots, pages and the step's token budget allow. The pool it talks
+(3) admits waiting requests while sequence indices, pages and the step's token budget allow. The pool it talks
 to is anything with the BlockManager's batched verbs (the in-process manager or the gRPC client),
 so the admission arithmetic is the pool's: target + draft bytes per token, counted once.
 
@@ -94,7 +94,7 @@ class Scheduler:
         It is planned only when it is the step `schedule` would plan after `current` whatever
         `current` accepts: the same sequences, each verifying K drafts (max_model_len far enough
         away), within the token budget, without preempting, nobody to admit (none waiting, or every
-        slot taken: a request waiting for a slot that `current` frees is admitted a step later); and
+        sequence index taken: a request waiting for one that `current` frees is admitted a step later); and
         only for greedy requests or those with their own generator, so the engine's shared generator
         is never drawn for a step that is dropped. Pages are reserved for the longest outcome of
         `current` (every draft accepted). How many drafts may count is left to the device
@@ -154,7 +154,7 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def _admit(self, budget: int) -> list[PrefillChunk]:
-        """Open waiting sequences (in arrival order) that fit in slots, pages and the budget."""
+        """Open waiting sequences (in arrival order) that fit in sequence indices, pages and the budget."""
         candidates, estimate = [], budget
         for seq in self.waiting:
             if estimate <= 0 or len(self.running) + len(candidates) >= self.max_num_seqs:
@@ -165,7 +165,7 @@ class Scheduler:
         chunks = []
         for seq, result in zip(candidates, results):
             self.waiting.popleft()
-            seq.status, seq.slot = SequenceStatus.RUNNING, result.slot
+            seq.status, seq.seq_index = SequenceStatus.RUNNING, result.seq_index
             seq.block_table = list(result.block_table)
             seq.num_cached_tokens = seq.num_computed = result.num_cached_tokens
             seq.num_pool_known_tokens = seq.prefill_len
@@ -219,7 +219,7 @@ class Scheduler:
         return requeued
 
     def abort(self, seq: Sequence) -> None:
-        """Drop a request wherever it is: a running one's pages and slot are released at once."""
+        """Drop a request wherever it is: a running one's pages and index are released at once."""
         if seq in self.waiting:
             self.waiting.remove(seq)
         elif seq in self.running:

@@ -12,7 +12,7 @@ Who writes what:
 | field                                   | writer                                            |
 | --------------------------------------- | ------------------------------------------------- |
 | status, num_context                     | Scheduler                                         |
-| slot, block_table, num_cached_tokens    | Scheduler, from the pool's open / reserve         |
+| seq_index, block_table, num_cached_tokens | Scheduler, from the pool's open / reserve         |
 | output_token_ids, num_computed,         | LLMEngine (after each step)                       |
 | num_pool_known_tokens, finish_reason,   |                                                   |
 | spec_decode (the request's counters)    |                                                   |
@@ -54,7 +54,7 @@ class Sequence:
     generator: torch.Generator | None = None
     status: SequenceStatus = SequenceStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
-    slot: int = -1
+    seq_index: int = -1  # its row in the pool's per-sequence tables (-1: not open)
     block_table: list[int] = field(default_factory=list)
     num_cached_tokens: int = 0
     num_computed: int = 0
@@ -98,7 +98,7 @@ class Sequence:
     def reset_for_recompute(self) -> None:
         """Forget the pool state after preemption; tokens stay and are prefilled again."""
         self.status = SequenceStatus.WAITING
-        self.slot, self.block_table = -1, []
+        self.seq_index, self.block_table = -1, []
         self.num_cached_tokens = self.num_computed = self.num_pool_known_tokens = self.num_context = 0
         self.has_context = True  # the prefill stores the context again
         self.num_preemptions += 1

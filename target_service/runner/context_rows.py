@@ -25,11 +25,11 @@ class SeqTaps:
     num_rows: int
     is_decode: bool
     has_context: bool
-    seq_slot: int
+    seq_index: int
 
 
 def select_context_rows(batch: ForwardBatch, seqs: list[SeqTaps], accepted: torch.Tensor | None):
-    """The context side's per-row positions, sequence slots and pool slots (PAD_SLOT: skipped) for
+    """The context side's per-row positions, sequence indices and pool slots (PAD_SLOT: skipped) for
     the batch's tap rows, sequence after sequence in `seqs` order (decodes first).
 
     accepted: accepted drafts per decode [D] on the device (None: a step without drafts)."""
@@ -37,11 +37,11 @@ def select_context_rows(batch: ForwardBatch, seqs: list[SeqTaps], accepted: torc
     if sum(seq.num_rows for seq in seqs) != num_rows:
         raise RuntimeError(f"the step's sequences own {sum(seq.num_rows for seq in seqs)} tap rows; the "
                            f"forward returned {num_rows}")
-    counts, prefill_keeps, decode_keeps, seq_slots = to_device(
+    counts, prefill_keeps, decode_keeps, seq_indices = to_device(
         [[seq.num_rows for seq in seqs],
          [seq.num_rows if seq.has_context and not seq.is_decode else 0 for seq in seqs],
          [int(seq.is_decode and seq.has_context) for seq in seqs],
-         [seq.seq_slot for seq in seqs]], torch.int64, device)
+         [seq.seq_index for seq in seqs]], torch.int64, device)
     verified = torch.ones_like(decode_keeps)  # a decode keeps its bonus and its accepted drafts
     if accepted is not None:
         verified[:accepted.shape[0]] += accepted
@@ -50,4 +50,4 @@ def select_context_rows(batch: ForwardBatch, seqs: list[SeqTaps], accepted: torc
     offset = torch.arange(num_rows, device=device) - (torch.cumsum(counts, 0) - counts)[owner]
     rows = batch.tap_indices
     slots = torch.where(offset < keeps[owner], batch.slot_mapping[rows], PAD_SLOT)
-    return batch.positions[rows], seq_slots[owner], slots
+    return batch.positions[rows], seq_indices[owner], slots

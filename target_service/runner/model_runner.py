@@ -119,15 +119,15 @@ class ModelRunner:
         logit_starts = [current.rows[seq.seq_id].logits.start for seq in seqs]
         computed = [seq.num_computed for seq in seqs]  # where `current` started: it is not read yet
         remaining = [seq.num_remaining_tokens for seq in seqs]  # before `current`
-        logit_starts_d, starts_d, remaining_d, seq_slots_d = to_device(
-            [logit_starts, computed, remaining, [seq.slot for seq in seqs]], torch.int64, self.device)
+        logit_starts_d, starts_d, remaining_d, seq_indices_d = to_device(
+            [logit_starts, computed, remaining, [seq.seq_index for seq in seqs]], torch.int64, self.device)
         columns = max(len(seq.block_table) for seq in seqs)
         padded = [seq.block_table + [0] * (columns - len(seq.block_table)) for seq in seqs]
         table = to_device(padded, torch.int32, self.device)
         bonus, starts, max_accepted = next_inputs(current.targets, current.accepted, logit_starts_d, starts_d,
                                                   remaining_d, self.draft_budget)
         if num_verified:
-            self.step_buffers.stage_propose_tensors(bonus, starts, seq_slots_d, table)
+            self.step_buffers.stage_propose_tensors(bonus, starts, seq_indices_d, table)
             if not self._call_propose(len(seqs), num_verified, columns, seqs):
                 return None
         self.num_steps_ahead += 1
@@ -171,8 +171,8 @@ class ModelRunner:
         num_verified = max(work.num_verified for work in drafting)
         seqs = [work.seq for work in drafting]
         columns = self.step_buffers.stage_propose(
-            [seq.bonus_token for seq in seqs], [seq.num_computed for seq in seqs], [seq.slot for seq in seqs],
-            [seq.block_table for seq in seqs])
+            [seq.bonus_token for seq in seqs], [seq.num_computed for seq in seqs],
+            [seq.seq_index for seq in seqs], [seq.block_table for seq in seqs])
         if not self._call_propose(len(seqs), num_verified, columns, plan.seqs):
             return [0] * len(plan.decodes)
         return [work.num_verified for work in plan.decodes]
@@ -200,11 +200,11 @@ class ModelRunner:
             return
         num_decodes = len(plan.decodes)
         seqs = [SeqTaps(rows[seq.seq_id].taps.stop - rows[seq.seq_id].taps.start, position < num_decodes,
-                        seq.has_context, seq.slot) for position, seq in enumerate(scheduled)]
-        positions, seq_slots, slots = select_context_rows(batch, seqs, accepted)
+                        seq.has_context, seq.seq_index) for position, seq in enumerate(scheduled)]
+        positions, seq_indices, slots = select_context_rows(batch, seqs, accepted)
         try:
             self.drafter.settle()  # the last step's context may still be read from the buffers
-            self.drafter.store_context(self.step_buffers.stage_context(taps, positions, seq_slots, slots))
+            self.drafter.store_context(self.step_buffers.stage_context(taps, positions, seq_indices, slots))
         except DrafterUnavailable as error:
             self._lose_context(scheduled, error)
 

@@ -1,6 +1,6 @@
 """The HTTP routes of the OpenAI-compatible API: parse, authenticate, call `OpenAIServer`, send.
 
-`create_app(slot)` builds the FastAPI app; the `ServerSlot` holds the process's `OpenAIServer` once
+`create_app(holder)` builds the FastAPI app; the `ServerHolder` holds the process's `OpenAIServer` once
 it is built (a Ray Serve replica installs it in its constructor; tests install their own). Every
 error is OpenAI-shaped (`{"error": {...}}`) with its status and, for 429/503, Retry-After.
 `/health` and `/metrics` need no API key (probes and scrapers carry none).
@@ -23,12 +23,12 @@ from target_service.serving.openai_server import OpenAIServer
 DISCONNECT_POLL_S = 0.1
 
 
-class ServerSlot:
+class ServerHolder:
     """Where the routes find this process's server; empty until it is installed.
 
-    A named slot is process-wide: pickling one (Ray Serve ships a copy of the app, closures and all,
-    to every replica process) and unpickling it gives that process's slot of the same name, so the
-    replica's constructor and the copied routes meet. An unnamed slot stays in its process.
+    A named holder is process-wide: pickling one (Ray Serve ships a copy of the app, closures and all,
+    to every replica process) and unpickling it gives that process's holder of the same name, so the
+    replica's constructor and the copied routes meet. An unnamed holder stays in its process.
     """
 
     def __init__(self, name: str | None = None):
@@ -39,18 +39,22 @@ class ServerSlot:
 
     def __reduce__(self):
         if self.name is None:
-            raise TypeError("an unnamed ServerSlot cannot leave its process; use slot_named()")
-        return (slot_named, (self.name,))
+            raise TypeError("an unnamed ServerHolder cannot leave its process; use holder_named()")
+        return (holder_named, (self.name,))
 
     def install(self, server: OpenAIServer) -> None:
         self._server = server
         self._closed = False
 
     def clear(self) -> None:
-        """Let go of the server once its replica closed. The routes hold this slot for as long as
-        FastAPI's module-level caches hold the routes (the whole process), so a slot that kept its
+        """Let go of the server once its replica closed. The routes keep this holder for as long as
+        FastAPI's module-level caches hold the routes (the whole process), so a holder that kept its
         server would keep the engine, its weights and its pool in memory after close."""
         self._server, self._closed = None, True
+
+    @property
+    def is_installed(self) -> bool:
+        return self._server is not None
 
     @property
     def server(self) -> OpenAIServer:
@@ -60,25 +64,25 @@ class ServerSlot:
         return self._server
 
 
-_NAMED_SLOTS: dict[str, ServerSlot] = {}
+_NAMED_HOLDERS: dict[str, ServerHolder] = {}
 
 
-def slot_named(name: str) -> ServerSlot:
-    """This process's slot called `name` (made on first use)."""
-    if name not in _NAMED_SLOTS:
-        _NAMED_SLOTS[name] = ServerSlot(name)
-    return _NAMED_SLOTS[name]
+def holder_named(name: str) -> ServerHolder:
+    """This process's holder called `name` (made on first use)."""
+    if name not in _NAMED_HOLDERS:
+        _NAMED_HOLDERS[name] = ServerHolder(name)
+    return _NAMED_HOLDERS[name]
 
 
-def create_app(slot: ServerSlot) -> FastAPI:
+def create_app(holder: ServerHolder) -> FastAPI:
     app = FastAPI(title="dflash-serve", docs_url=None, redoc_url=None, openapi_url=None)
 
     @app.middleware("http")
     async def replica_header(request: Request, call_next):
         """Every response names the replica that served it: routing made visible (and testable)."""
         response = await call_next(request)
-        if slot.rank is not None:
-            response.headers["X-Dflash-Replica"] = str(slot.rank)
+        if holder.rank is not None:
+            response.headers["X-Dflash-Replica"] = str(holder.rank)
         return response
 
     @app.exception_handler(ApiError)
@@ -87,38 +91,38 @@ def create_app(slot: ServerSlot) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
-        healthy = slot._server is not None and slot.server.is_healthy
+        healthy = holder.is_installed and holder.server.is_healthy
         status = 200 if healthy else 503
         return JSONResponse({"status": "ok" if healthy else "unavailable"}, status_code=status)
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        server = slot.server
+        server = holder.server
         body = server.metrics.render() if server.metrics is not None else b""
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models(request: Request) -> JSONResponse:
-        server = _authorized(slot, request)
+        server = _authorized(holder, request)
         return JSONResponse(server.models().model_dump())
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        server = _authorized(slot, request)
+        server = _authorized(holder, request)
         body = CompletionRequest.from_body(await _json(request))
         return await _answer(request, body, server.completion, server.completion_stream)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        server = _authorized(slot, request)
+        server = _authorized(holder, request)
         body = ChatCompletionRequest.from_body(await _json(request))
         return await _answer(request, body, server.chat, server.chat_stream)
 
     return app
 
 
-def _authorized(slot: ServerSlot, request: Request) -> OpenAIServer:
-    server = slot.server
+def _authorized(holder: ServerHolder, request: Request) -> OpenAIServer:
+    server = holder.server
     if server.api_key is not None:
         given = request.headers.get("authorization", "")
         if not hmac.compare_digest(given.encode(), f"Bearer {server.api_key}".encode()):

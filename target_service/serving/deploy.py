@@ -2,9 +2,9 @@
 and drains them on shutdown; each replica is one `Replica` (the model, its engine, the OpenAI server,
 the admin port).
 
-The routes are this module's `APP`, built over the named slot `SLOT`; a replica's constructor
+The routes are this module's `APP`, built over the named holder `HOLDER`; a replica's constructor
 installs its server there. Ray Serve ships each replica a pickled copy of the app, closures included;
-a named slot unpickles to that process's own slot of the same name (`api.slot_named`), so the copied
+a named holder unpickles to that process's own holder of the same name (`api.holder_named`), so the copied
 routes and the constructor meet.
 
 Placement: each replica gets its own placement group of one bundle (its CPUs, GPUs and custom
@@ -32,7 +32,7 @@ from ray import serve
 
 from target_service.assembly import ray_runtime
 from target_service.assembly.ray_services import service_bundle
-from target_service.serving.api import create_app, slot_named
+from target_service.serving.api import create_app, holder_named
 from target_service.serving.replica import Replica
 from target_service.serving.serve_args import ServeArgs
 
@@ -42,8 +42,8 @@ APP_NAME = "dflash"
 DEPLOYMENT_NAME = "DFlashReplica"
 DRAIN_TIMEOUT_S = 60.0
 
-SLOT = slot_named("dflash")
-APP = create_app(SLOT)
+HOLDER = holder_named("dflash")
+APP = create_app(HOLDER)
 
 
 @APP.middleware("http")
@@ -70,8 +70,8 @@ class DFlashReplica:
         # the admin port counts replicas on this node (local rank): a pod's probes and the admin
         # Service expect admin_port + 0..n-1 on every node, whatever the global ranks there are
         self.replica = Replica(args, rank, admin_offset=_rank(context, "local_rank"))
-        SLOT.rank = rank
-        SLOT.install(self.replica.server)
+        HOLDER.rank = rank
+        HOLDER.install(self.replica.server)
         logger.info("replica %d ready on node %s", rank, _node_id())
 
     def drain(self, timeout_s: float = DRAIN_TIMEOUT_S) -> int:
@@ -95,7 +95,7 @@ class DFlashReplica:
         replica = getattr(self, "replica", None)
         if replica is not None:
             replica.close(DRAIN_TIMEOUT_S)
-            SLOT.clear()
+            HOLDER.clear()
 
 
 def _rank(context, which: str = "rank") -> int:

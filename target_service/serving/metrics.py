@@ -50,8 +50,8 @@ class _EngineCollector:
             per_position.add_metric([*values, str(position)], count)
         yield per_position
         for name, doc, value in (
-            ("dflash:num_requests_running", "Requests holding a slot", snapshot.num_running),
-            ("dflash:num_requests_waiting", "Requests waiting for a slot", snapshot.num_waiting),
+            ("dflash:num_requests_running", "Requests prefilling or decoding", snapshot.num_running),
+            ("dflash:num_requests_waiting", "Requests waiting to be admitted", snapshot.num_waiting),
         ):
             family = self._family(GaugeMetricFamily, name, doc)
             family.add_metric(values, value)

@@ -30,7 +30,7 @@ def test_staging_lands_in_the_views_the_other_side_reads():
     peer = StepBuffers.attach(buffers.export(), LAYOUT)  # what a drafter maps
     assert torch.equal(peer.taps[:4], taps)
     assert peer.context_slots[:4].tolist() == [37, -1, 3, 4]
-    assert peer.context_seq_slots[:4].tolist() == [2, 2, 0, 0]
+    assert peer.context_seq_indices[:4].tolist() == [2, 2, 0, 0]
     columns = buffers.stage_propose([11, 12], [40, 3], [2, 0], [[4, 9, 1], [6]])
     assert columns == 3
     assert peer.block_table[:2, :3].tolist() == [[4, 9, 1], [6, 0, 0]]

@@ -96,8 +96,8 @@ class Workload:
         self.next_id += count
         answers = [pool.open(requests) for pool, _ in self.pools]
         for results in answers[1:]:  # block ids may differ (leases took some), nothing else
-            assert [(r.seq_id, r.slot, r.num_cached_tokens, len(r.block_table)) for r in results] == [
-                (r.seq_id, r.slot, r.num_cached_tokens, len(r.block_table)) for r in answers[0]]
+            assert [(r.seq_id, r.seq_index, r.num_cached_tokens, len(r.block_table)) for r in results] == [
+                (r.seq_id, r.seq_index, r.num_cached_tokens, len(r.block_table)) for r in answers[0]]
         for tables, results in zip(self.tables, answers):
             for r in results:
                 tables[r.seq_id] = list(r.block_table)

@@ -27,7 +27,7 @@ def test_paged_blocks_price_target_and_draft_bytes_together():
 
 
 def test_dense_context_is_reserved_first_and_the_pool_keeps_the_target_only():
-    # 4 slots x 100 positions padded to 112 (7 pages of 16) x 128 bytes
+    # 4 sequences x 100 positions padded to 112 (7 pages of 16) x 128 bytes
     reserved = 4 * 112 * 128
     assert dense_context_bytes(make_spec(), max_num_seqs=4, max_model_len=100) == reserved
     budget = reserved + 30 * TPB * 256

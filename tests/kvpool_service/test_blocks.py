@@ -28,11 +28,11 @@ def snapshot(bm: BlockManager):
     seqs = {}
     for seq_id in list(bm._seqs):
         seq = bm.get(seq_id)
-        seqs[seq_id] = (seq.slot, list(seq.block_table), seq.num_tokens, seq.num_context,
+        seqs[seq_id] = (seq.seq_index, list(seq.block_table), seq.num_tokens, seq.num_context,
                         seq.num_cached_tokens, list(seq.token_ids), seq.num_hashed_blocks, seq.last_hash)
     return (bm.stats(), bm.free_block_ids(), bm.cached_block_ids(),
             [bm.ref_count(b) for b in range(bm.num_blocks)],
-            [bm.is_registered(b) for b in range(bm.num_blocks)], seqs, sorted(bm._free_slots))
+            [bm.is_registered(b) for b in range(bm.num_blocks)], seqs, sorted(bm._free_seq_indices))
 
 
 def prompt(n, seed=0):
@@ -45,22 +45,22 @@ def run_prefill(bm, seq_id, tokens):
     bm.commit([CommitRequest(seq_id, len(tokens), len(tokens))])
 
 
-def test_open_gives_lowest_free_slot_and_blocks_for_whole_prompt():
+def test_open_gives_lowest_free_seq_index_and_blocks_for_whole_prompt():
     bm = make()
     [a, b] = bm.open([OpenRequest(7, prompt(9)), OpenRequest(3, prompt(4, 1))])
-    assert (a.slot, a.num_cached_tokens, len(a.block_table)) == (0, 0, 3)  # ceil(9 / 4)
-    assert (b.slot, len(b.block_table)) == (1, 1)
+    assert (a.seq_index, a.num_cached_tokens, len(a.block_table)) == (0, 0, 3)  # ceil(9 / 4)
+    assert (b.seq_index, len(b.block_table)) == (1, 1)
     assert set(a.block_table).isdisjoint(b.block_table)
     assert bm.get(7).block_table == a.block_table
     assert bm.stats().num_used_blocks == 4 and bm.num_free_blocks == 12
 
 
-def test_slot_of_closed_sequence_is_reused():
+def test_seq_index_of_closed_sequence_is_reused():
     bm = make()
     bm.open([OpenRequest(i, [i]) for i in range(3)])
     bm.close([1])
     [r] = bm.open([OpenRequest(9, [5])])
-    assert r.slot == 1
+    assert r.seq_index == 1
 
 
 def test_reserve_grows_to_ceil_of_length_and_never_shrinks():
@@ -247,12 +247,12 @@ def test_prompt_that_can_never_fit_is_out_of_range():
         bm.open([OpenRequest(1, prompt(101))])
 
 
-def test_slots_and_batch_size_limits():
+def test_seq_indices_and_batch_size_limits():
     bm = make(max_num_seqs=2)
     with pytest.raises(LimitExceeded, match="max_num_seqs is 2"):
         bm.open([OpenRequest(i, [1]) for i in range(3)])
     bm.open([OpenRequest(1, [1])])
-    with pytest.raises(PoolExhausted, match="only 1 of 2 slots"):
+    with pytest.raises(PoolExhausted, match="only 1 of 2 sequence indices"):
         bm.open([OpenRequest(2, [1]), OpenRequest(3, [1])])
 
 

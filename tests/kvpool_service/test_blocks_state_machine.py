@@ -29,7 +29,7 @@ prompts = st.builds(lambda stem, tail: (stem + tail)[:MAX_MODEL_LEN] or [0],
 
 
 def observable(bm: BlockManager):
-    seqs = {s: (r.slot, list(r.block_table), r.num_tokens, r.num_context, list(r.token_ids))
+    seqs = {s: (r.seq_index, list(r.block_table), r.num_tokens, r.num_context, list(r.token_ids))
             for s, r in ((s, bm.get(s)) for s in list(bm._seqs))}
     return (bm.stats(), bm.free_block_ids(), bm.cached_block_ids(),
             [bm.ref_count(b) for b in range(NUM_BLOCKS)], seqs)
@@ -68,11 +68,11 @@ class BlockManagerMachine(RuleBasedStateMachine):
         available = self.bm.num_available_blocks
         ok, results = self._attempt((PoolExhausted, LimitExceeded), lambda: self.bm.open(requests))
         if not ok:
-            if isinstance(results, PoolExhausted):  # counted in slots or in blocks
-                free_slots = MAX_NUM_SEQS - len(self.live)
+            if isinstance(results, PoolExhausted):  # counted in sequences or in blocks
+                free_seq_indices = MAX_NUM_SEQS - len(self.live)
                 assert results.needed > results.available
-                if "slots" in str(results):
-                    assert results.available == free_slots
+                if results.resource == "sequences":
+                    assert results.available == free_seq_indices
                 else:  # blocks revived by hits are not available for the rest
                     assert results.available <= available
             return
@@ -183,8 +183,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def sequences_match_the_model(self):
         bm = self.bm
         assert len(bm) == len(self.live) == bm.stats().num_seqs
-        slots = [bm.get(s).slot for s in self.live]
-        assert len(set(slots)) == len(slots) and all(0 <= s < MAX_NUM_SEQS for s in slots)
+        indices = [bm.get(s).seq_index for s in self.live]
+        assert len(set(indices)) == len(indices) and all(0 <= i < MAX_NUM_SEQS for i in indices)
         for seq_id, tokens in self.live.items():
             record = bm.get(seq_id)
             assert list(record.token_ids) == tokens

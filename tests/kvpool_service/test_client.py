@@ -58,13 +58,13 @@ def test_both_pools_are_pool_controls(pool):
 def test_open_reserve_commit_close_give_the_same_answers(pool):
     prompt = list(range(40))
     [a] = pool.open([OpenRequest(10, prompt)])
-    assert (a.seq_id, a.slot, a.num_cached_tokens, len(a.block_table)) == (10, 0, 0, 3)
+    assert (a.seq_id, a.seq_index, a.num_cached_tokens, len(a.block_table)) == (10, 0, 0, 3)
     [grown] = pool.reserve([ReserveRequest(10, 70)])
     assert len(grown) == 2 and not set(grown) & set(a.block_table)  # ceil(70 / 16) = 5 blocks
     assert pool.reserve([ReserveRequest(10, 33)]) == [[]]  # capacities never shrink
     pool.commit([CommitRequest(10, 45, 41, [40, 41, 42, 43, 44])])
     [b] = pool.open([OpenRequest(11, prompt)])  # blocks 0 and 1 (32 tokens) are full and written
-    assert (b.slot, b.num_cached_tokens, b.block_table[:2]) == (1, 32, a.block_table[:2])
+    assert (b.seq_index, b.num_cached_tokens, b.block_table[:2]) == (1, 32, a.block_table[:2])
     usage = pool.stats()
     assert (usage.num_seqs, usage.num_used_blocks, usage.prefix_cache_hits, usage.prefix_cache_queries) == (
         2, 6, 32, 80)
@@ -83,14 +83,14 @@ def test_refusals_raise_the_same_typed_errors(pool):
         pool.reserve([ReserveRequest(1, 129)])
     with pytest.raises(InvalidRequest):
         pool.open([OpenRequest(-5, [1])])
-    with pytest.raises(PoolExhausted) as info:  # 3 slots, 12 blocks: 2 x 7 more blocks do not fit in 11
+    with pytest.raises(PoolExhausted) as info:  # 3 sequences, 12 blocks: 2 x 7 more do not fit in 11
         pool.open([OpenRequest(2, [1] * 112), OpenRequest(3, [1] * 112)])
     assert (info.value.resource, info.value.needed, info.value.available, info.value.shortfall) == (
         "blocks", 14, 11, 3)
     pool.open([OpenRequest(2, [1]), OpenRequest(3, [1])])
-    with pytest.raises(PoolExhausted, match="slots") as info:  # all 3 slots taken
+    with pytest.raises(PoolExhausted, match="sequence indices") as info:  # all 3 taken
         pool.open([OpenRequest(4, [1])])
-    assert (info.value.resource, info.value.needed, info.value.available) == ("slots", 1, 0)
+    assert (info.value.resource, info.value.needed, info.value.available) == ("sequences", 1, 0)
     assert pool.stats().num_seqs == 3
 
 
@@ -108,7 +108,7 @@ def test_a_restarted_pool_refuses_the_old_epoch_until_the_client_reconnects():
             client.open([OpenRequest(1, [1])])
         assert client.connect().epoch == second.epoch
         [result] = client.open([OpenRequest(1, [1])])
-        assert result.slot == 0
+        assert result.seq_index == 0
     client.shutdown()
 
 

@@ -67,16 +67,16 @@ class OracleDrafter:
     def block_size(self) -> int:
         return self.inner.block_size
 
-    def _seq_at(self, slot: int):
-        return next(seq for seq in self.engine.running_sequences() if seq.slot == slot)
+    def _seq_at(self, seq_index: int):
+        return next(seq for seq in self.engine.running_sequences() if seq.seq_index == seq_index)
 
     def store_context(self, num_rows):
         buffers = self.runner.step_buffers
         rows = zip(buffers.context_positions[:num_rows].tolist(),
-                   buffers.context_seq_slots[:num_rows].tolist(), buffers.context_slots[:num_rows].tolist())
-        for position, slot, target_slot in rows:
-            if target_slot != -1:
-                self.stored.setdefault(self._seq_at(slot).seq_id, []).append(position)
+                   buffers.context_seq_indices[:num_rows].tolist(), buffers.context_slots[:num_rows].tolist())
+        for position, seq_index, slot in rows:
+            if slot != -1:
+                self.stored.setdefault(self._seq_at(seq_index).seq_id, []).append(position)
         self.inner.store_context(num_rows)
 
     def settle(self):
@@ -85,9 +85,9 @@ class OracleDrafter:
     def propose(self, num_seqs, num_speculative_tokens, num_block_cols):
         self.inner.propose(num_seqs, num_speculative_tokens, num_block_cols)  # the real path still runs
         buffers, rows = self.runner.step_buffers, []
-        starts, slots = buffers.start_positions[:num_seqs].tolist(), buffers.seq_slots[:num_seqs].tolist()
-        for start, slot in zip(starts, slots):
-            seq = self._seq_at(slot)
+        starts, indices = buffers.start_positions[:num_seqs].tolist(), buffers.seq_indices[:num_seqs].tolist()
+        for start, seq_index in zip(starts, indices):
+            seq = self._seq_at(seq_index)
             reference = self.references[tuple(seq.prompt_token_ids)]
             row, corrupted_at = [], None
             for k in range(1, num_speculative_tokens + 1):

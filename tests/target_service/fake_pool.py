@@ -32,7 +32,7 @@ class FakePool:
     def open(self, requests):
         self.calls.append(("open", [r.seq_id for r in requests]))
         if len(self.blocks) + len(requests) > self.max_num_seqs:
-            raise PoolExhausted("no slot")
+            raise PoolExhausted("no sequence index free", resource="sequences")
         added = self._grow({r.seq_id: len(r.prompt_token_ids) for r in requests})
         return [OpenResult(r.seq_id, r.seq_id, 0, added[r.seq_id]) for r in requests]
 

@@ -12,7 +12,7 @@ import pytest
 from target_service.assembly.demo import demo_target_path
 from target_service.engine.sampling_params import SamplingParams
 from target_service.llm import LLM
-from target_service.serving.api import ServerSlot, create_app
+from target_service.serving.api import ServerHolder, create_app
 from target_service.serving.chat_template import load_chat_template
 from target_service.serving.replica import Replica
 from target_service.serving.serve_args import ServeArgs
@@ -28,9 +28,9 @@ def served(tmp_path_factory):
     key_file = tmp_path_factory.mktemp("key") / "api_key"
     key_file.write_text("secret-key\n")
     replica = Replica(ServeArgs(api_key_file=str(key_file), **ARGS))
-    slot = ServerSlot()
-    slot.install(replica.server)
-    yield replica, create_app(slot)
+    holder = ServerHolder()
+    holder.install(replica.server)
+    yield replica, create_app(holder)
     replica.close()
 
 
@@ -173,9 +173,9 @@ def test_a_draining_server_answers_503_with_retry_after_and_fails_its_health_pro
     assert error.body["code"] == "service_unavailable" and health.status_code == 503
 
 
-def test_an_empty_slot_answers_503_loading_then_shut_down_once_cleared():
-    slot = ServerSlot()
-    app = create_app(slot)
+def test_an_empty_holder_answers_503_loading_then_shut_down_once_cleared():
+    holder = ServerHolder()
+    app = create_app(holder)
 
     async def completion_error():
         with pytest.raises(openai.InternalServerError) as unavailable:
@@ -184,7 +184,7 @@ def test_an_empty_slot_answers_503_loading_then_shut_down_once_cleared():
 
     loading = asyncio.run(completion_error())
     assert loading.status_code == 503 and "still loading" in loading.body["message"]
-    slot.install(object())  # what the routes would call is never reached: the slot is cleared first
-    slot.clear()
+    holder.install(object())  # what the routes would call is never reached: the holder is cleared first
+    holder.clear()
     closed = asyncio.run(completion_error())
     assert closed.status_code == 503 and "shut down" in closed.body["message"]

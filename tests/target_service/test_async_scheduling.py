@@ -56,8 +56,8 @@ def test_greedy_outputs_equal_with_and_without_async_scheduling(tmp_path, storag
 
 
 def test_a_full_batch_with_requests_waiting_still_runs_ahead(tmp_path, monkeypatch):
-    """Six requests, two slots: while both slots are taken the waiting ones cannot be admitted, so
-    steps go ahead; a request waiting for a slot freed by the current step starts a step later.
+    """Six requests, two sequence indices: while both are taken the waiting ones cannot be admitted, so
+    steps go ahead; a request waiting for an index freed by the current step starts a step later.
     Every request's tokens and acceptance equal the engine's without async scheduling."""
     target, drafter = make_pair(tmp_path)
     prompts = random_prompts(6, 160, low=3, high=40)

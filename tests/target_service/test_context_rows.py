@@ -50,10 +50,10 @@ class ContextChecker:
 
     def store_context(self, num_rows: int) -> None:
         buffers = self.runner.step_buffers
-        by_slot = {seq.slot: seq for seq in self.engine.running_sequences()}
+        by_index = {seq.seq_index: seq for seq in self.engine.running_sequences()}
         rows = zip(buffers.context_positions[:num_rows].tolist(),
-                   buffers.context_seq_slots[:num_rows].tolist(), buffers.context_slots[:num_rows].tolist())
-        self.staged += [(position, by_slot[seq_slot], slot) for position, seq_slot, slot in rows]
+                   buffers.context_seq_indices[:num_rows].tolist(), buffers.context_slots[:num_rows].tolist())
+        self.staged += [(position, by_index[seq_index], slot) for position, seq_index, slot in rows]
         self.inner.store_context(num_rows)
 
     def check_staged(self) -> None:
@@ -96,8 +96,8 @@ def test_select_context_rows_by_hand():
               SeqChunk([8, 9], 0, [7], 0, 2)]
     batch = pack(chunks, 16)
     seqs = [SeqTaps(3, True, True, 0), SeqTaps(3, True, False, 1), SeqTaps(2, False, True, 2)]
-    positions, seq_slots, slots = select_context_rows(batch, seqs, torch.tensor([1, 2]))
+    positions, seq_indices, slots = select_context_rows(batch, seqs, torch.tensor([1, 2]))
     assert positions.tolist() == [10, 11, 12, 20, 21, 22, 0, 1]
-    assert seq_slots.tolist() == [0, 0, 0, 1, 1, 1, 2, 2]
+    assert seq_indices.tolist() == [0, 0, 0, 1, 1, 1, 2, 2]
     skipped = [PAD_SLOT] * 4  # the first decode's rejected draft, and all of the second decode
     assert slots.tolist() == [4 * 16 + 10, 4 * 16 + 11, *skipped, 7 * 16, 7 * 16 + 1]

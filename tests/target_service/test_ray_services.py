@@ -283,7 +283,7 @@ def test_ray_services_refuse_bad_input_with_one_line_errors(ray_local, pair, tmp
     gpu_args = EngineArgs(target=str(target), drafter=str(drafter), **dict(SETTINGS, device="cuda"))
     with pytest.raises(ServiceStartError, match=r"no node had room for the services .* 'GPU': 0.33"):
         RayServices(gpu_args, replica=next(_replicas)).start(timeout_s=2)  # this Ray has no GPU
-    with pytest.raises(ValueError, match="not-a-drafter/config.json: no such config file"):
+    with pytest.raises(ValueError, match=r"not-a-drafter/config\.json: no such config file"):
         RayServices(args, replica=next(_replicas)).start()  # refused by the plan: no actor starts
     services = start_trio(target, drafter, **SETTINGS)
     try:

@@ -49,19 +49,19 @@ def finish_step(scheduler: Scheduler, plan: SchedulerOutput, accepted: int = 0) 
     scheduler.commit(plan.seqs)
 
 
-def test_admission_takes_waiting_requests_in_order_within_slots_and_the_token_budget():
+def test_admission_takes_waiting_requests_in_order_within_max_num_seqs_and_the_token_budget():
     pool = FakePool(64)
     scheduler = scheduler_over(pool, max_num_seqs=2, budget=10)
     first, second, third = add(scheduler, 3, 6)
     plan = scheduler.schedule()
-    # the budget of 10 tokens: all 6 of the first prompt, 4 of the second (chunked); slots: 2
+    # the budget of 10 tokens: all 6 of the first prompt, 4 of the second (chunked); max_num_seqs: 2
     assert [(c.seq, c.start, c.num_tokens) for c in plan.prefills] == [(first, 0, 6), (second, 0, 4)]
     assert list(scheduler.waiting) == [third] and scheduler.running == [first, second]
     assert first.status is second.status is SequenceStatus.RUNNING and third.status is SequenceStatus.WAITING
     assert len(first.block_table) == len(second.block_table) == 2  # 6 prompt tokens, 4 per block
     finish_step(scheduler, plan)
     plan = scheduler.schedule()
-    # the first decodes (K + 1 rows), the second's prefill goes on from position 4; no slot for the third
+    # the first decodes (K + 1 rows), the second prefills on from position 4; no index left for the third
     assert [(w.seq, w.num_verified) for w in plan.decodes] == [(first, 3)]
     assert [(c.seq, c.start, c.num_tokens) for c in plan.prefills] == [(second, 4, 2)]
     assert list(scheduler.waiting) == [third]
@@ -143,7 +143,7 @@ def test_schedule_ahead_plans_only_the_step_schedule_would_plan_next():
     scheduler.draft_budget = DraftBudget(3, 64)
     (waiting,) = add(scheduler, 1, 2)
     assert scheduler.schedule_ahead(current, [3]) is None  # an admission would change the plan
-    scheduler.max_num_seqs = 1  # ... unless every slot is taken
+    scheduler.max_num_seqs = 1  # ... unless every sequence index is taken
     assert scheduler.schedule_ahead(current, [3]) is not None
     scheduler.max_num_seqs = 8
     scheduler.abort(waiting)

@@ -46,7 +46,7 @@ def test_blocks_match_a_hand_built_example_with_a_short_padded_row():
     assert blocks.positions.tolist() == [[[1, 2, 3], [4, 5, 6]], [[0, 1, 2], [0, 1, 2]]]
     assert blocks.labels[0].tolist() == [[11, 12, 13], [14, 15, 16]]
     e = math.exp(-0.5)
-    expected = [[[0, 1, e], [0, 1, 0]],   # slot 2 of block 2 is position 6: outside the loss mask
+    expected = [[[0, 1, e], [0, 1, 0]],   # block position 2 of block 2 is position 6: outside the loss mask
                 [[0, 1, e], [0, 0, 0]]]   # the padding block has no loss at all
     assert torch.allclose(blocks.weights, torch.tensor(expected))
 
