@@ -44,7 +44,6 @@ COPY kvpool_service kvpool_service
 COPY drafter_service drafter_service
 COPY target_service target_service
 COPY training training
-COPY bench bench
 COPY dflash_cli dflash_cli
 RUN pip install "torch==2.13.0" "ray[serve]==2.60.0" . \
     && python -c "import ray, torch, target_service.serving.deploy; assert ray.__version__ == '2.60.0'" \

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from dflash_cli.bench.plotting import pyplot
+
 
 def fmt(value, spec=".1f"):
     return "n/a" if value is None else format(value, spec)
@@ -60,10 +62,9 @@ def markdown(result, geometry: dict) -> str:
 
 def plot(result, path: Path, geometry: dict) -> None:
     """Time per call against B, a panel per (cache dtype, NKV) of the sweep, a line colour per context."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot(path)
+    if plt is None:
+        return
 
     measured = [r for r in result["sweep"] if "skipped" not in r]
     contexts = sorted({r["ctx"] for r in result["sweep"]})

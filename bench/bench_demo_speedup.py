@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from dflash_cli.bench.plotting import pyplot
 from drafter_service.checkpoint import open_drafter_checkpoint
 from target_service.assembly.demo import demo_drafter_path, demo_target_path
 from target_service.runner.checkpoint import open_target_checkpoint
@@ -33,10 +34,9 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def _plot(result: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot(path)
+    if plt is None:
+        return
 
     figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     for name, counts in result["accepted_per_position"].items():

@@ -155,7 +155,7 @@ def main() -> None:
     parser.add_argument("--no-cvt-asm", dest="cvt_asm", action="store_false",
                         help="widen fp8 values with a plain cast (what Triton does without kernels.operands)")
     parser.add_argument("--fp8-q", action="store_true",
-                        help="fp8 cache: e4m3 score dot (kernels.operands.FP8_QUERIES)")
+                        help="fp8 cache: e4m3 score dot (what kernels.operands.quantizes_q picks)")
     parser.add_argument("--key-lanes", type=int, default=1, help="paged kernel: softmax states per row")
     parser.add_argument("--source", type=Path, help="another version of the kernel file")
     parser.add_argument("--keep", type=Path, help="write TTGIR, PTX and SASS here")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dflash_cli.bench.plotting import pyplot
+
 DTYPES = ("bf16", "fp8")
 
 
@@ -51,8 +53,8 @@ def markdown(result) -> str:
               "warps, stages; the best per regime and cache dtype is used above):", ""]
     if not result["sweep"]["rows"]:
         lines[-2] = ("No tile sweep in this run (--no-sweep): the tiles are choose_tiles' GPU defaults "
-                     "(kernels.paged_tiles.GPU_TILES), the winners of the sweep in "
-                     "paged_attention_sweep.md.")
+                     "(kernels.paged_tiles.GPU_TILES), the winners of an earlier run's sweep (a run "
+                     "without --no-sweep).")
     for r in result["sweep"]["rows"]:
         timed = f"{r['seconds'] * 1e6:.1f} us" if "seconds" in r else f"failed ({r['error'][:80]})"
         lines.append(f"- {r['dtype']} {r['regime']} {tuple(r['tiles'].values())}: {timed}")
@@ -90,9 +92,9 @@ def summary(result) -> list[str]:
 
 
 def plot(result, path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot(path)
+    if plt is None:
+        return
 
     small = [c for c in result["cases"] if c.get("kind") != "prefill"]
     q_lens = sorted({c["q_len"] for c in small})

@@ -8,18 +8,19 @@ admits at equal memory: the HTTP app and engine `dflash serve` runs, without Ray
         [--admission-max-model-len 32768 8192] [--admission-max-num-seqs 256] [--admission-requests 128]
         [--admission-prompt-len 2048] [--admission-max-tokens 256] [--budget-s S] [--device D]
         [--name serve_modes_h200] [--out DIR]
-    python -m bench.bench_serve_modes --replot bench/results/serve_modes_h200.json
+    python -m bench.bench_serve_modes --replot bench/results/serve_modes_h200_now.json
 
 Serving, one mode at a time on the whole device: plain (no drafter), dense (the drafter, its context in
-per-slot dense buffers) and paged (the drafter, its context in the pool). Each mode builds a
-`target_service.serving.replica.Replica` (what every Ray Serve replica of `dflash serve` builds), installs its
-server in a `ServerSlot` and serves `target_service.serving.api.create_app(slot)` under uvicorn on 127.0.0.1,
-in a thread of this process; the load generator (`bench.bench_serve`'s functions: closed loop, TTFT /
-TPOT / ITL from the SSE stream, acceptance from /metrics) runs in a child process, so its Python does
-not share the server's interpreter lock. Then the replica is closed and the device memory released
-before the next mode. Admission: `bench.bench_serve_modes_admission`.
+per-sequence dense buffers) and paged (the drafter, its context in the pool). Each mode builds a
+`target_service.serving.replica.Replica` (what every Ray Serve replica of `dflash serve` builds),
+installs its server in a `ServerHolder` and serves `target_service.serving.api.create_app(holder)`
+under uvicorn on 127.0.0.1, in a thread of this process; the load generator
+(`dflash_cli.bench.serve_load`'s functions: closed loop, TTFT / TPOT / ITL from the SSE stream,
+acceptance from /metrics) runs in a child process, so its Python does not share the server's
+interpreter lock. Then the replica is closed and the device memory released before the next mode.
+Admission: `bench.bench_serve_modes_admission`.
 
-Without --target, a random-weight pair of the geometry is written once (`bench_e2e_checkpoints`, as
+Without --target, a random-weight pair of the geometry is written once (`dflash_cli.bench.random_pair`, as
 the step bench does) with a word-level stand-in tokenizer, so the server streams text. Random
 weights are almost never accepted: plain against DFlash then measures what drafting costs.
 Results: <out>/<name>.json, .md and .png, saved after every part (a run cut short keeps what it
@@ -38,7 +39,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.bench_serve import (
+from bench.serve_in_process import TRANSPORT, memory_allocated, release_device, replica_server
+from dflash_cli.bench.serve_load import (
     Endpoint,
     random_prompts,
     request_body,
@@ -47,7 +49,6 @@ from bench.bench_serve import (
     run_setting,
     send_request,
 )
-from bench.serve_in_process import TRANSPORT, memory_allocated, release_device, replica_server
 
 RESULTS = Path(__file__).resolve().parent / "results"
 logger = logging.getLogger("bench_serve_modes")
@@ -80,12 +81,12 @@ def replica_facts(replica) -> dict:
     engine, sizing = replica.assembly.engine, replica.assembly.pool.sizing
     return {"pool_blocks": sizing.num_blocks, "tokens_per_block": sizing.spec.tokens_per_block,
             "bytes_per_block": sizing.spec.bytes_per_block, "dense_context_bytes": sizing.dense_context_bytes,
-            "num_speculative_tokens": engine.scheduler.num_speculative_tokens,
-            "preemptions": engine.scheduler.num_preemptions,
+            "num_speculative_tokens": engine.num_speculative_tokens,
+            "preemptions": engine.counters().num_preemptions,
             "engine_drafts": engine.stats.num_drafts, "engine_accepted": engine.stats.num_accepted_tokens}
 
 
-# ---- the client side: bench_serve's functions, in a child process ----------------------------------
+# ---- the client side: serve_load's functions, in a child process ----------------------------------
 
 def measure_levels(url: str, levels: list[tuple[int, list[list[int]]]], warmup: list[list[int]],
                    options: dict) -> dict:
@@ -123,7 +124,7 @@ async def _measure(url: str, levels, warmup, options: argparse.Namespace) -> dic
 
 
 def client_options(options: argparse.Namespace, deadline: float | None) -> dict:
-    """What `bench_serve.run_setting` reads, and the rest of the client's settings (picklable)."""
+    """What `serve_load.run_setting` reads, and the rest of the client's settings (picklable)."""
     return {"metrics_scrapes": 2, "progress": False, "seed": options.seed, "timeout": options.timeout,
             "output_len": options.output_len, "warmup_tokens": options.warmup_tokens, "deadline": deadline}
 
@@ -180,7 +181,7 @@ def checkpoints(options: argparse.Namespace) -> tuple[Path, Path, dict]:
         return Path(options.target), Path(options.drafter), origin
     import torch
 
-    from bench.bench_e2e_checkpoints import write_random_pair
+    from dflash_cli.bench.random_pair import write_random_pair
     from foundation.checkpoint_config import load_target_config
 
     on_cuda = torch.cuda.is_available() and options.device != "cpu"
@@ -194,7 +195,7 @@ def checkpoints(options: argparse.Namespace) -> tuple[Path, Path, dict]:
 def device_facts(options: argparse.Namespace) -> dict:
     import torch
 
-    from bench.bench_serve_report import client_machine
+    from dflash_cli.bench.serve_report import client_machine
 
     on_cuda = torch.cuda.is_available() and options.device != "cpu"
     name = torch.cuda.get_device_name() if on_cuda else f"cpu ({torch.get_num_threads()} threads)"

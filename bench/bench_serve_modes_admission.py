@@ -31,13 +31,13 @@ class Pair:
 
 
 def pool_spec(pair: Pair, *, dtype: str | None, device: str | None):
-    """The full pool spec (target and draft groups) the engine builds for this pair: the target
-    assembler's own reading of the configs, in the dtype the engine computes in."""
-    from target_service.assembly.assembler import TargetAssembler
+    """The full pool spec (target and draft groups) the engine builds for this pair: the start-up
+    plan's own reading of the configs, in the dtype the engine computes in."""
     from target_service.assembly.engine_args import EngineArgs
+    from target_service.assembly.plan import resolve_plan
 
     args = EngineArgs(target=str(pair.target), drafter=str(pair.drafter), dtype=dtype, device=device)
-    return TargetAssembler(args).pool_spec()
+    return resolve_plan(args).pool_spec()
 
 
 def plan(spec, memory_bytes: int, *, max_model_len: int, max_num_seqs: int, avg_seq_len: int):
@@ -72,29 +72,31 @@ def fill(assembly, prompts: list[list[int]], max_tokens: int, deadline: float | 
     pool's peaks (per step, after it: a request that finished in the step counts as running in it)."""
     from target_service.engine.sampling_params import SamplingParams
 
-    engine, blocks = assembly.engine, assembly.pool.blocks
+    engine = assembly.engine
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    for index, prompt in enumerate(prompts):
-        engine.add_request(f"admit-{index}", prompt, params)
+    ids = [f"admit-{index}" for index in range(len(prompts))]
+    for request_id, prompt in zip(ids, prompts):
+        engine.add_request(request_id, prompt, params)
     peak_running = peak_used = steps = 0
     first_finish = None
     started = time.perf_counter()
     while engine.has_unfinished and first_finish is None:
         finished = engine.step()
         steps += 1
-        running = len(engine.scheduler.running) + len(finished)
-        used = blocks.stats().num_used_blocks + sum(len(seq.block_table) for seq in finished)
+        running = engine.num_running + len(finished)
+        used = engine.pool_usage().num_used_blocks + sum(len(seq.block_table) for seq in finished)
         peak_running, peak_used = max(peak_running, running), max(peak_used, used)
         if finished:
             first_finish = {"step": steps, "running": running, "used_blocks": used}
         if deadline is not None and time.time() > deadline:
             break
-    waiting = len(engine.scheduler.waiting)
-    for request_id in list(engine.sequences):
-        engine.abort(request_id)
+    waiting = engine.num_waiting
+    for request_id in ids:
+        if engine.has_request(request_id):
+            engine.abort(request_id)
     return {"steps": steps, "seconds": time.perf_counter() - started, "peak_running": peak_running,
             "peak_used_blocks": peak_used, "first_finish": first_finish, "waiting_at_end": waiting,
-            "preemptions": engine.scheduler.num_preemptions, "cut_by_deadline": first_finish is None}
+            "preemptions": engine.counters().num_preemptions, "cut_by_deadline": first_finish is None}
 
 
 def engine_case(pair: Pair, storage: str, *, memory: int, max_model_len: int, max_num_seqs: int,

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from dflash_cli.bench.plotting import pyplot
+
 MODE_ORDER = ("plain", "dense", "paged")
 COLORS = {"plain": "tab:gray", "dense": "tab:orange", "paged": "tab:blue"}
 
@@ -122,13 +124,13 @@ def markdown(doc: dict) -> str:
         lines += ["Random weights: the drafter's guesses are almost never accepted (acceptance length ~1), "
                   "so dense and paged against plain here measure what drafting costs, not the speed-up a "
                   "trained drafter gives; the acceptance column is the server's own /metrics counters over "
-                  "each level. `bench/results/e2e_step_*` times the step at a simulated acceptance.", ""]
+                  "each level. `dflash bench step` times the step at a simulated acceptance.", ""]
     if "serve" in doc:
         lines += ["Served by `dflash serve`'s HTTP app (`target_service.serving.api.create_app` over a "
                   "`Replica`, the object each Ray Serve replica builds), under "
                   f"uvicorn ({doc['serve']['transport']}) on 127.0.0.1 in the benchmark's process: the same "
                   "app and engine without Ray Serve's proxy hop (no Ray Serve on the machine). The load "
-                  "generator (`bench.bench_serve`'s functions) ran in a child process.", "",
+                  "generator (`dflash_cli.bench.serve_load`'s functions) ran in a child process.", "",
                   *serve_lines(doc), ""]
     if "admission" in doc:
         lines += [*admission_lines(doc), ""]
@@ -137,13 +139,10 @@ def markdown(doc: dict) -> str:
 
 def plot(doc: dict, path: Path) -> bool:
     """Output tok/s and TTFT p50 against concurrency per mode, and the admission peaks; False (and no
-    file) without matplotlib."""
-    try:
-        import matplotlib
-    except ImportError:
+    file, one log line) without matplotlib."""
+    plt = pyplot(path)
+    if plt is None:
         return False
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
     panels = 2 + ("admission" in doc and bool(doc["admission"]["cases"]))
     figure, axes = plt.subplots(1, panels, figsize=(5.2 * panels, 4))
@@ -199,8 +198,8 @@ def write(doc: dict, out: Path, *, plot_too: bool) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{doc['name']}.json").write_text(json.dumps(doc, indent=2) + "\n")
     (out / f"{doc['name']}.md").write_text(markdown(doc))
-    if plot_too and not plot(doc, out / f"{doc['name']}.png"):
-        print(f"no matplotlib: redraw with python -m bench.bench_serve_modes --replot {doc['name']}.json")
+    if plot_too:
+        plot(doc, out / f"{doc['name']}.png")  # without matplotlib: redraw later with --replot JSON
 
 
 def replot(path: Path) -> None:

@@ -4,14 +4,15 @@
         [--context 2048] [--steps 16] [--rounds 3] [--simulate-acceptance 6.5]
         [--kv-cache-memory 16GiB] [--name services_split_h200]
 
-Both engines are built over one random-weight checkpoint pair (`bench_e2e_checkpoints`) and live
+Both engines are built over one random-weight checkpoint pair (`dflash_cli.bench.random_pair`) and live
 side by side: the in-process `LLM` in this process, and the three services (`RayServices`: pool,
 drafter, target actors; the target reaches the pool over gRPC with leasing and the drafter over the
 shared-memory step channel). For every batch size, rounds alternate between the two; a round
 prefills B prompts of C tokens, warms up, then times `--steps` DFlash steps one by one (each between
 two device synchronisations) with `--simulate-acceptance` (this benchmark only, as in
-bench_e2e_step: inside the target's process). The split's steps are timed in the target actor
-(`SplitBenchTarget`, defined here, so nothing in the package can turn the simulation on).
+dflash_cli.bench.step: inside the target's process). The split's steps are timed in the target actor
+(`SplitBenchTarget`, defined here, so nothing in the package can turn the simulation on), which stops
+its request thread (`AsyncEngine.shutdown`) before it steps the engine itself.
 
 Also counted over the split's timed steps: blocking and asynchronous control RPCs per step and the
 bytes they carried (from the lease's traffic counters), and every `bytes` field of the control
@@ -33,16 +34,17 @@ from pathlib import Path
 
 import torch
 
-from bench.bench_e2e_checkpoints import add_pair_arguments, device_name, random_pair_for
-from bench.simulated_acceptance import SimulatedAcceptance
-from bench.step_timing import timed_steps
+from dflash_cli.bench.random_pair import add_pair_arguments, device_name, random_pair_for
+from dflash_cli.bench.simulated_acceptance import SimulatedAcceptance
+from dflash_cli.bench.step_timing import abort_all, prefill, timed_steps
 from target_service.assembly.service import TargetService
 
 RESULTS = Path(__file__).resolve().parent / "results"
 logger = logging.getLogger("bench_services_split")
 
 
-def step_case(engine, batch: int, context: int, steps: int, seed: int, counters=None) -> dict:
+def step_case(engine, device: torch.device, vocab: int, batch: int, context: int, steps: int, seed: int,
+              counters=None) -> dict:
     """Prefill B random prompts of C tokens, one warm-up step, then `steps` timed steps; abort them.
 
     counters: a callable returning a dict of counters, read just before and just after the timed
@@ -50,47 +52,42 @@ def step_case(engine, batch: int, context: int, steps: int, seed: int, counters=
     not the steady state's traffic)."""
     from target_service.engine.sampling_params import SamplingParams
 
-    device, k = engine.device, engine.scheduler.num_speculative_tokens
-    vocab = engine.target.config.vocab_size
+    k = engine.num_speculative_tokens
     generator = torch.Generator().manual_seed(seed)
     params = SamplingParams(max_tokens=(steps + 2) * (k + 1) + 8, temperature=0.0, ignore_eos=True)
     ids = [f"split-{seed}-{i}" for i in range(batch)]
-    for request_id in ids:
-        engine.add_request(request_id, torch.randint(3, vocab - 2, (context,), generator=generator).tolist(),
-                           params)
+    prompts = [torch.randint(3, vocab - 2, (context,), generator=generator).tolist() for _ in ids]
+    seqs = [engine.add_request(request_id, prompt, params) for request_id, prompt in zip(ids, prompts)]
     try:
-        while any(not seq.output_token_ids for seq in engine.sequences.values()):
-            engine.step()
+        prefill(engine, seqs)
         before = {}
 
         def read_counters():
             before.update(counters() if counters else {})
 
-        times, tokens = timed_steps(engine, device, steps, on_start=read_counters)
+        times, tokens = timed_steps(engine, seqs, device, steps, on_start=read_counters)
         after = counters() if counters else {}
     finally:
-        for request_id in ids:
-            if request_id in engine.sequences:
-                engine.abort(request_id)
+        abort_all(engine, ids)
     return {"step_s": statistics.median(times), "steps_s": times, "tokens": tokens,
             "tokens_per_s": tokens / sum(times), "counters_per_step": _per_step(before, after, steps)}
 
 
 class SplitBenchTarget(TargetService):
-    """The target service with the step loop left to the benchmark (no request thread)."""
-
-    def _serve(self) -> None:
-        pass
+    """The target service with the step loop left to the benchmark: its request thread is stopped
+    before the first case (nothing else calls the engine afterwards)."""
 
     def step_case(self, batch: int, context: int, steps: int, seed: int, acceptance: float) -> dict:
+        self.async_engine.shutdown()  # idle, so it stops at once; the engine is the benchmark's now
+        device, vocab = torch.device(self.plan.device), self.plan.target_config.vocab_size
         with SimulatedAcceptance(acceptance, seed):
-            result = step_case(self.engine.engine, batch, context, steps, seed, self._flushed_stats)
+            result = step_case(self.engine, device, vocab, batch, context, steps, seed, self.flushed_stats)
         result["control_per_step"] = result.pop("counters_per_step")
         ordering = getattr(self.channel, "ordering", None)
         result["channel_ordering"] = type(ordering).__name__ if ordering is not None else "none"
         return result
 
-    def _flushed_stats(self) -> dict:
+    def flushed_stats(self) -> dict:
         """The control plane's counters once the queued commits are sent (outside the timing)."""
         self.control.flush()
         return self.control_stats()
@@ -151,6 +148,7 @@ def main(argv: list[str] | None = None) -> None:
     }
     started = time.perf_counter()
     local = LLM(str(target), str(drafter), **settings)
+    vocab = local.assembly.runner.vocab_size
     logger.info("in-process engine up in %.1f s", time.perf_counter() - started)
     started = time.perf_counter()
     split = RayServices(EngineArgs(target=str(target), drafter=str(drafter), **settings),
@@ -162,7 +160,8 @@ def main(argv: list[str] | None = None) -> None:
             for index in range(args.rounds):
                 seed = args.seed + 1000 * batch + index
                 with SimulatedAcceptance(args.simulate_acceptance, seed):
-                    rounds["inprocess"].append(step_case(local.engine, batch, args.context, args.steps, seed))
+                    rounds["inprocess"].append(step_case(local.engine, device, vocab, batch, args.context,
+                                                         args.steps, seed))
                 rounds["ray"].append(ray.get(split.target.step_case.remote(
                     batch, args.context, args.steps, seed, args.simulate_acceptance)))
             case = {"batch": batch}

@@ -8,7 +8,7 @@ uses, and about the floor of any socket-based RPC in Python). `--device cuda` ad
 GPU ordering, `--ordering flags` or `events` (a mark and a stream wait on each side per call, no GPU
 work between; `foundation.gpu_ordering`).
 
-    .venv/bin/python -m bench.bench_step_channel --out bench/results/step_channel_cpu.md
+    .venv/bin/python -m bench.bench_step_channel [--device cuda --ordering flags] --out FILE.md
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """`dflash serve`'s HTTP app over one `Replica`, in this process, without Ray Serve: for benchmarks on
 machines that cannot carry Ray Serve (the H200's carry limit). The replica is built as each Ray Serve
-replica builds it, its server installed in a `ServerSlot`, and `create_app(slot)` served by uvicorn
-on 127.0.0.1 in a thread; on the way out the replica closes, the slot lets go of it, and the device
+replica builds it, its server installed in a `ServerHolder`, and `create_app(holder)` served by uvicorn
+on 127.0.0.1 in a thread; on the way out the replica closes, the holder lets go of it, and the device
 memory it held can be released.
 """
 
@@ -44,21 +44,21 @@ def http_server(app) -> Iterator[str]:
 
 @contextlib.contextmanager
 def replica_server(serve_args) -> Iterator[tuple[str, object]]:
-    """A `Replica` of `serve_args` installed in a slot (as `deploy.DFlashReplica` does) behind
-    `create_app(slot)`; yields (URL, replica); closes the replica on the way out."""
-    from target_service.serving.api import ServerSlot, create_app
+    """A `Replica` of `serve_args` installed in a holder (as `deploy.DFlashReplica` does) behind
+    `create_app(holder)`; yields (URL, replica); closes the replica on the way out."""
+    from target_service.serving.api import ServerHolder, create_app
     from target_service.serving.replica import Replica
 
     replica = Replica(serve_args)
-    slot = ServerSlot()
+    holder = ServerHolder()
     try:
-        slot.rank = 0
-        slot.install(replica.server)
-        with http_server(create_app(slot)) as url:
+        holder.rank = 0
+        holder.install(replica.server)
+        with http_server(create_app(holder)) as url:
             yield url, replica
     finally:
         replica.close()
-        slot.clear()  # else the routes, cached by FastAPI for the process's life, keep the engine
+        holder.clear()  # else the routes, cached by FastAPI for the process's life, keep the engine
 
 
 def release_device() -> None:

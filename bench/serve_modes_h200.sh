@@ -8,7 +8,7 @@
 # The machine has torch, triton and transformers but no Ray Serve and maybe not the server's
 # packages: they come as wheels in .whl/ (git-ignored, so carried), installed to /tmp/site when this
 # Python is the 3.12 they were downloaded for (elsewhere the environment's own packages are used).
-# The random pair is written once to /tmp/dflash-e2e-pair (where bench_e2e_step writes the same pair:
+# The random pair is written once to /tmp/dflash-e2e-pair (where dflash bench step writes the same pair:
 # reused when present) and loaded by every engine. Every serving mode gets the same 32 GiB KV budget
 # (dense takes its 64 x 8192-token draft reservation out of it), so a mode never depends on what the
 # one before it left on the device.

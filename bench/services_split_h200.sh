@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The service split on one H200 (bench/bench_services_split.py, Qwen3-8B geometry): one device call.
-# Carry [".devray", ".whl"]: a core-only Ray (../shared/tools/device_ray.sh; its binaries stripped of
-# symbols to fit the carry limit beside the demo pair) and the pydantic / gRPC wheels the image lacks.
+# Carry [".devray", ".whl"]: a core-only Ray (.devray/ray-slim.tar.xz and its wheels, binaries stripped
+# of symbols to fit the carry limit beside the demo pair) and the pydantic / gRPC wheels the image lacks.
 #   bash bench/services_split_h200.sh [more flags for bench.bench_services_split]
 set -uo pipefail
 OUT=${OUT:-bench/results}

@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
 # The step on one H200 (Qwen3-8B geometry, random weights): the GPU tests of the step's path, then
-# bench.bench_e2e_step. One device call; carry [".whl"] (pydantic, gRPC: the image lacks them).
+# the step bench (`dflash bench step`, run as python -m dflash_cli.bench.step). One device call; carry
+# [".whl"] (pydantic, gRPC: the image lacks them).
 #
-#   bash bench/step_h200.sh [flags for bench.bench_e2e_step; later flags win]
+#   bash bench/step_h200.sh [flags for dflash_cli.bench.step; later flags win]
 #
 # The bench saves after every case to $OUT (default bench/results), so a run stopped at LIMIT
-# seconds (default 420) keeps what it measured; the tests' and the bench's logs go there too. Then
-# bench.bench_step_host profiles a B 1 step's host time (HOST_LIMIT seconds, default 120; 0 skips it).
+# seconds (default 420) keeps what it measured; the tests' and the bench's logs go there too.
 # TESTS=0 skips the GPU tests.
 # BASELINE=<commit> also times that commit's engine (B 1 and 32, ctx 2048, no HF) from a worktree,
-# right after, on the same machine: a side-by-side reference for a change to the step. The device's
+# right after, on the same machine: a side-by-side reference for a change to the step (a commit from
+# before the step bench moved into dflash_cli runs its bench/bench_e2e_step.py). The device's
 # git may only know the session's first commit: BASELINE_PATCH=<file> (the diff from the baseline to
 # this tree, untracked) times this tree with that diff undone instead.
 set -uo pipefail
@@ -25,16 +26,10 @@ if [ "${TESTS:-1}" != 0 ]; then
         tests/kernels/test_fused_layers.py > "$OUT/gpu_tests_step.txt" 2>&1
     tail -n 3 "$OUT/gpu_tests_step.txt"
 fi
-timeout "${LIMIT:-420}" python3 -m bench.bench_e2e_step --steps 8 --batch-sizes 1 32 --contexts 2048 8192 \
+timeout "${LIMIT:-420}" python3 -m dflash_cli.bench.step --steps 8 --batch-sizes 1 32 --contexts 2048 8192 \
     --out "$OUT" --name e2e_step_h200_device "$@" > "$OUT/e2e_step.log" 2>&1
 echo "bench exit $?"
 tail -n 30 "$OUT/e2e_step.log"
-# where a graphed B 1 step's host time goes (cProfile), on the pair the bench wrote
-if [ "${HOST_LIMIT:-120}" != 0 ]; then
-    timeout "${HOST_LIMIT:-120}" python3 -m bench.bench_step_host --batch 1 --context 2048 --steps 40 --out "$OUT" \
-        --name step_host_h200 > "$OUT/step_host.log" 2>&1
-    echo "host profile exit $?"
-fi
 if [ -n "${BASELINE_PATCH:-}" ]; then  # the device's git may lack this session's commits: a patch instead
     cp -r "$PWD" /tmp/baseline && (cd /tmp/baseline && git apply -R "$PWD/$BASELINE_PATCH") || echo "no baseline"
     BASELINE=patch
@@ -42,7 +37,9 @@ elif [ -n "${BASELINE:-}" ]; then
     git worktree add -f /tmp/baseline "$BASELINE" > /dev/null 2>&1 || echo "no worktree of $BASELINE"
 fi
 if [ -n "${BASELINE:-}" ]; then
-    (cd /tmp/baseline && PYTHONPATH=/tmp/site:/tmp/baseline timeout "${BASELINE_LIMIT:-150}" python3 -m bench.bench_e2e_step \
+    step=dflash_cli.bench.step
+    [ -f /tmp/baseline/bench/bench_e2e_step.py ] && step=bench.bench_e2e_step
+    (cd /tmp/baseline && PYTHONPATH=/tmp/site:/tmp/baseline timeout "${BASELINE_LIMIT:-150}" python3 -m $step \
         --steps 8 --batch-sizes 1 32 --contexts 2048 --no-hf --out "$OUT" --name "${BASELINE_NAME:-e2e_step_h200_baseline}" \
         > "$OUT/e2e_step_baseline.log" 2>&1)
     echo "baseline exit $?"

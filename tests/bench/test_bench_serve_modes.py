@@ -132,7 +132,7 @@ def test_a_closed_replica_leaves_nothing_of_its_engine_in_memory():
     args = ServeArgs(device="cpu", dtype="float32", kv_cache_memory="16MiB", max_model_len=512,
                      max_num_seqs=2, admin_port=None)
     with replica_server(args) as (url, replica):
-        engine, model = weakref.ref(replica.assembly.engine), weakref.ref(replica.assembly.engine.target)
+        engine, model = weakref.ref(replica.assembly.engine), weakref.ref(replica.assembly.runner.target)
         reply = httpx.post(f"{url}/v1/completions", json={"prompt": "def f(x):", "max_tokens": 4}, timeout=60)
         assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 4
         del replica

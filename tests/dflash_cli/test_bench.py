@@ -1,9 +1,11 @@
 """`dflash bench`: a bad `bench serve` flag is one line naming it, exit status 2, before any prompt is
-made or request sent; `bench step` hands every word but -v/-q to bench_e2e_step unchanged; building
-the parser and `--help` of both load neither torch nor httpx."""
+made or request sent; `bench step` hands every word but -v/-q to the step bench (dflash_cli.bench.step)
+unchanged; building the parser and `--help` of both load neither torch nor httpx; results go to the
+current directory unless --out says otherwise."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import socket
 import subprocess
@@ -64,10 +66,10 @@ def test_a_server_that_is_not_there_is_one_line_naming_the_url(dflash, tmp_path)
 
 
 def test_bench_step_forwards_every_word_but_v_and_q(monkeypatch):
-    import bench.bench_e2e_step
+    import dflash_cli.bench.step
 
     seen = []
-    monkeypatch.setattr(bench.bench_e2e_step, "main", lambda argv: seen.append(argv))
+    monkeypatch.setattr(dflash_cli.bench.step, "main", lambda argv: seen.append(argv))
     argv = ["--steps", "8", "--batch-sizes", "1", "8", "--no-hf", "--name", "x", "--out", "/tmp/o"]
     assert cli.main(["bench", "step", *argv[:5], "-v", *argv[5:]]) == 0
     assert seen == [argv]
@@ -93,8 +95,20 @@ print(json.dumps({"codes": codes, "heavy": sorted({m.split(".")[0] for m in sys.
     assert json.loads(result.stdout) == {"codes": [[0, True], [0, True]], "heavy": []}
 
 
-def test_python_m_bench_serve_parses_the_same_flags():
-    result = subprocess.run([sys.executable, "-m", "bench.bench_serve", "--help"], capture_output=True,
-                            text=True, cwd=ROOT, timeout=120)
+def test_python_m_serve_load_parses_the_same_flags():
+    result = subprocess.run([sys.executable, "-m", "dflash_cli.bench.serve_load", "--help"],
+                            capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert result.returncode == 0 and "--request-rate R [R ...]" in result.stdout
     assert "--concurrency C [C ...]" in result.stdout
+
+
+def test_results_go_to_the_current_directory_unless_out_says_otherwise():
+    from dflash_cli.bench import serve_load, step
+
+    serve = argparse.ArgumentParser()
+    serve_load.add_arguments(serve)
+    assert serve.parse_args([*URL, "--concurrency", "1"]).out == "."
+    assert step.build_parser().parse_args([]).out == "."
+    for parser in (serve, step.build_parser()):
+        help_text = " ".join(parser.format_help().split())
+        assert "--out OUT results directory (default: the current directory)" in help_text

@@ -1,0 +1,37 @@
+"""The step bench times the batch it names: with a token budget below B x C the prompts prefill a few
+per step while the first ones already decode, and none of them may finish before the timed steps
+(an H200 run once reported B 64 ctx 8192 at "acceptance" 3.8: its first sequences had run out of
+max_tokens, so fewer than B were stepped)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dflash_cli.bench.random_pair import write_random_pair
+from dflash_cli.bench.simulated_acceptance import SimulatedAcceptance
+from dflash_cli.bench.step_timing import engine_case
+from target_service.llm import LLM
+
+pytestmark = pytest.mark.slow
+
+
+def test_a_staggered_prefill_leaves_the_whole_batch_running_for_the_timed_steps(tmp_path):
+    batch, context, steps, mean = 32, 512, 4, 6.5
+    target, drafter = write_random_pair(tmp_path, "tiny", dtype="float32")
+    llm = LLM(str(target), str(drafter), device="cpu", dtype="float32", kv_cache_memory="256MiB",
+              max_num_seqs=batch, max_model_len=context + 4 * (steps + 1) * 16 + 64,
+              max_num_batched_tokens=context, enable_prefix_caching=False)  # one prompt per step
+    k = llm.engine.num_speculative_tokens
+    try:
+        with SimulatedAcceptance(mean, seed=int(torch.randint(0, 2**31, ()))):
+            case = engine_case(llm, batch, context, steps, seed=0)
+        assert llm.engine.num_requests == 0  # the bench forgets its requests, finished or not
+    finally:
+        llm.close()
+    timed = case["eager"]
+    assert timed["running_at_start"] == batch and timed["preemptions"] == 0
+    # Poisson(mean - 1) accepted drafts, capped at K: the expected tokens a sequence emits per step
+    poisson = torch.distributions.Poisson(mean - 1)
+    expected = 1 + sum(min(n, k) * poisson.log_prob(torch.tensor(float(n))).exp() for n in range(60)).item()
+    assert abs(timed["mean_acceptance_length"] - expected) < 0.6
