@@ -30,13 +30,15 @@ Contract:
 - The server must be another process: CUDA cannot open an IPC handle in the process that exported
   it ("invalid device context"), so a CUDA channel cannot be served from the owner's own process.
 
-Cost (H200 host, torch 2.11; bench/results/step_channel_h200_events.md): a record or wait takes
-~2.5 us while one process uses the event, but with the other process holding it open a record took
-10-80 us, as if it waited for the GPU to pass the event's previous record and waits. A no-op call
-measured p50 67 us with the events against 22 us without after a 200 us idle gap, 172 against 55
-after 2 ms, and 277 against 6 back to back. A host `synchronize` on both sides instead measured
-worse (350-490 us with one tiny kernel a side). Stream memory operations (cuStreamWriteValue32 /
-cuStreamWaitValue32 on host-mapped memory) might avoid both; not tried here.
+Cost (H200 host, torch 2.11; `python -m bench.bench_step_channel --device cuda --ordering events`):
+a record or wait takes ~2.5 us while one process uses the event, but with the other process holding
+it open a record took 10-80 us, as if it waited for the GPU to pass the event's previous record and
+waits. A no-op call measured p50 67 us with the events against 22 us without after a 200 us idle
+gap, 172 against 55 after 2 ms, and 277 against 6 back to back. A host `synchronize` on both sides
+instead measured worse (350-490 us with one tiny kernel a side). Stream memory operations
+(cuStreamWriteValue32 / cuStreamWaitValue32 on host-mapped memory) avoid both:
+`foundation.cuda_stream_flags`, which the channel takes wherever the driver offers them
+(`foundation.gpu_ordering`).
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ stream holds until the word reaches the sequence number; a cyclic >= comparison,
 2**32 is harmless). Nothing is recorded or queried on the host, so neither side blocks: the IPC
 events' record cost 10-80 us on the host whenever the other process held the event open, and a
 back-to-back no-op call took 277 us with them against 6 without
-(`bench/results/step_channel_h200_events.md`).
+(`python -m bench.bench_step_channel --device cuda`, by ordering).
 
 Why the sequence number: a word only grows, so a wait enqueued for call s passes once call s or
 any later one has been marked; an abandoned call (the caller timed out and sent a newer one) can
@@ -18,8 +18,8 @@ never leave a stream waiting for a mark that will not come.
 A server that dies between queueing its mark and the GPU running it could leave the caller's stream
 waiting on a word nobody will write; the caller calls `release(seq)` when it learns its peer is
 gone (a side stream writes the word, so the waiting stream goes on). On the H200 a SIGKILLed
-server's queued mark still landed, `release` disabled or not (bench/results/services_split_notes.md),
-so this covers drivers that drop a dead context's queued work.
+server's queued mark still landed, `release` disabled or not (so a GPU test of it could not fail and
+was dropped); this covers drivers that drop a dead context's queued work.
 
 The driver entry points come from libcuda by ctypes (torch does not wrap them). `supported()`
 says whether this process can use them; the step channel falls back to the events where not.

@@ -4,7 +4,7 @@ Both offer the same four verbs with the call's seq (`inputs_written`, `wait_inpu
 `outputs_written`, `wait_outputs`; `foundation.step_channel` says who calls which):
 - "flags" (`foundation.cuda_stream_flags`): stream memory operations on two words both processes
   map; nothing blocks on the host. The split's B 1 step measured 0.973-0.976 of the in-process
-  engine's tokens/s with them (bench/results/services_split_notes.md).
+  engine's tokens/s with them in two runs (bench/results/services_split_h200_flags5.md is one).
 - "events" (`foundation.cuda_ipc_events`): a pair of CUDA IPC events, whose host-side records cost
   10-80 us each while the other process holds them open (0.934 in the same runs).
 "auto", the default, takes the flags wherever the driver offers stream memory operations and the

@@ -66,7 +66,7 @@ class KVPoolClient:
     """A remote pool at `address` ("host:port"). Not thread-safe: one thread at a time may call it
     (one scheduler owns one client; `LeasedPoolControl` hands it between its two threads in turn).
 
-    interceptors: gRPC client interceptors every call goes through (`traffic.TrafficCounter`).
+    interceptors: gRPC client interceptors every call goes through (`metered_client.TrafficCounter`).
     """
 
     def __init__(self, address: str, *, token: str | None = None, timeout: float = DEFAULT_TIMEOUT_S,
