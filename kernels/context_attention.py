@@ -54,15 +54,15 @@ class LaunchConfig:
     num_warps: int = 4
     num_stages: int = 3
     merge_rows: int = 16  # rows x columns of one merge program: 16 x 32 was 4-9% faster per call than
-    # 16 x 16 at B 1-16 (split path, ctx 8192; bench/results/context_latency_merge.md, git history)
+    # 16 x 16 at B 1-16 (split path, ctx 8192; context_latency_merge, git history)
     merge_cols: int = 32
     merge_chunk: int = 32  # splits one merge step loads at once
 
 
 def default_config(rows_pad: int, cache_dtype: torch.dtype, device: torch.device,
                    head_dim: int = 128) -> LaunchConfig:
-    """Measured on an H200 (bench/results/context_attention_run3.md (git history), tile sweep; the stages:
-    kernel_variants_15_stages.md (git history), _16_stages.md and _17_stages.md).
+    """Measured on an H200 (context_attention_run3 (git history), tile sweep; the stages:
+    kernel_variants_15_stages (git history), _16_stages and _17_stages).
 
     A 16-bit context takes DOUBLE_BUFFER_STAGES (5, as the paged kernel's decode-size tiles), the
     first count at which Triton double-buffers its K/V behind the page-id loads in an offline sm_90

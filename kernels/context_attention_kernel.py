@@ -7,12 +7,12 @@ in the pool's pages and the Q noise keys. `_context_attention_kernel` runs on a 
 noise and writes the output. With SPLIT each program takes its share of a length-aware split count
 decided on the device (`kernels.split_kv`); split 0 also folds the noise keys. A request whose
 context takes one split is finished by split 0 alone, like the single pass (B 1, ctx 0 / 128:
-5.8 / 8.6 -> 3.7 / 6.7 us, bench/results/context_versions_noise_in_merge.md (git history)); otherwise every
+5.8 / 8.6 -> 3.7 / 6.7 us, context_versions_noise_in_merge (git history)); otherwise every
 split writes a partial state and `_context_merge_kernel` folds them into the output. Tried and
 not kept (same results directory): the merge in the split kernel's own last programs, waiting for
-the other splits (1-22% slower, context_latency_fused_merge.md in git history), and the noise keys
+the other splits (1-22% slower, context_latency_fused_merge in git history), and the noise keys
 folded by the merge kernel before its PDL wait (4-15% slower at B 4-16,
-context_versions_noise_in_merge.md in git history).
+context_versions_noise_in_merge in git history).
 
 Scores live in log2 units (scale * log2(e) folded into one multiplier) so the softmax uses exp2.
 fp8 context: k_scale joins the score multiplier of the context keys, v_scale multiplies the
@@ -198,7 +198,7 @@ def _context_attention_kernel(
     # context: keys [start, end) through the block table; k_cache [blocks, TOKENS_PER_BLOCK, NKV, D].
     # The single pass takes whole tiles first (no masks on loads or scores), then the partial one;
     # a split's few tiles take one loop (two loops measured 4-11% slower at B 1). With the FMA step of
-    # `_attend_tile`, bf16 at B >= 64 got 11-13% faster (bench/results/kernel_variants_1_fma.md,
+    # `_attend_tile`, bf16 at B >= 64 got 11-13% faster (kernel_variants_1_fma,
     # git history).
     table = block_table_ptr + b64 * stride_bt
     k_head = k_cache_ptr + kvh * stride_kh + dims[None, :] * stride_kd

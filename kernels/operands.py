@@ -1,8 +1,9 @@
 """The dtype the attention kernels feed their MMAs, shared by the paged and the context kernel.
 
 On a GPU the dots take q's 16-bit dtype, except over an fp8 (e4m3) cache, which is widened to
-`FP8_WIDEN_DTYPE`: fp16 holds every e4m3 value exactly and sm_90 widens a pair of them in one
-instruction where bf16 takes several (6-22% faster on an H200, bench/results/fp8_operands*.md).
+fp16: fp16 holds every e4m3 value exactly and sm_90 widens a pair of them in one instruction where
+bf16 takes several (6-22% faster on an H200, measured against bf16 operands in the fp8 operands
+experiment, in git history).
 A bf16 q is then narrowed to fp16 with `fp16_range_shift`, a power-of-two shift that keeps even
 an out-of-range q finite and exact up to fp16 rounding. The interpreter has no 16-bit math, so
 off the GPU every operand is fp32.
@@ -14,18 +15,18 @@ sm_89+ (`fp8_cvt_asm`) the widening is an opaque inline-asm step that Triton doe
 layout change, so the tile is widened in its load layout and reaches the MMA through a 16-bit
 transposing ldmatrix, as a bf16 tile does (bench/bench_kernel_sass.py, an offline sm_90 build: the paged
 decode kernel loses 256 byte loads and 169 moves per thread; on an H200 fp8 decode got 2-5%
-faster, bench/results/kernel_variants_4_fp8_asm.md in git history). Tiles of 64+ rows use the
+faster, measured in the kernel variants experiment, in git history). Tiles of 64+ rows use the
 Hopper MMA, whose operands already pass through registers: the same shared loads and MMAs either
 way. Both attention kernels widen their values so.
 
-With `FP8_QUERIES` the score dot over an fp8 cache runs in e4m3 itself, so the key tiles reach the
-MMA as stored, without a widening: q is split per row into two e4m3 terms (`quantize_rows_e4m3`,
-the row's scale folded into its score scale) and both are dotted with the same key tile, which
-keeps q's precision (one e4m3 term alone would trade q's 8-bit mantissa for 3 bits). Two e4m3 MMAs
-cost the tensor cores what one 16-bit MMA does. Triton runs e4m3 dots natively on sm_90 only in
-the Hopper MMA (tiles of 64+ rows; smaller tiles would widen both operands to fp16 again, per an
-offline sm_90 build), so `quantizes_q` asks for 64 rows, and for a head dim of 32+ (the e4m3
-MMA's reduction step). The P V product keeps 16-bit operands.
+Where `quantizes_q` says so, the score dot over an fp8 cache runs in e4m3 itself, so the key tiles
+reach the MMA as stored, without a widening: q is split per row into two e4m3 terms
+(`quantize_rows_e4m3`, the row's scale folded into its score scale) and both are dotted with the
+same key tile, which keeps q's precision (one e4m3 term alone would trade q's 8-bit mantissa for 3
+bits). Two e4m3 MMAs cost the tensor cores what one 16-bit MMA does. Triton runs e4m3 dots natively
+on sm_90 only in the Hopper MMA (tiles of 64+ rows; smaller tiles would widen both operands to fp16
+again, per an offline sm_90 build), so `quantizes_q` asks for 64 rows, and for a head dim of 32+
+(the e4m3 MMA's reduction step). The P V product keeps 16-bit operands.
 """
 
 from __future__ import annotations
@@ -36,12 +37,6 @@ import torch
 import triton
 import triton.language as tl
 
-# What an fp8 cache widens to for the MMAs (None: q's dtype). bench/bench_fp8_operands.py switches it.
-FP8_WIDEN_DTYPE: torch.dtype | None = torch.float16
-# Whether the score dot of 64+-row tiles over an fp8 cache runs in e4m3, q in two e4m3 terms per
-# row, so the key tiles enter the Hopper MMA as stored: 8-17% faster on an H200 at equal accuracy
-# (bench/results/fp8_operands_scores*.md). bench/bench_fp8_operands.py switches it.
-FP8_QUERIES: bool = True
 E4M3_MAX = tl.constexpr(448.0)  # largest finite e4m3fn
 TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
@@ -50,8 +45,8 @@ def mma_dtype(q_dtype: torch.dtype, cache_dtype: torch.dtype, device: torch.devi
     """Operand dtype of the dots over a `cache_dtype` cache for a `q_dtype` query on `device`."""
     if device.type != "cuda":
         return torch.float32
-    if cache_dtype == torch.float8_e4m3fn and FP8_WIDEN_DTYPE is not None:
-        return FP8_WIDEN_DTYPE
+    if cache_dtype == torch.float8_e4m3fn:
+        return torch.float16
     return q_dtype
 
 
@@ -70,9 +65,11 @@ def fp8_cvt_asm(device: torch.device) -> bool:
 def quantizes_q(cache_dtype: torch.dtype, device: torch.device, rows: int, head_dim: int) -> bool:
     """Whether the score dot of `rows`-row tiles over a `cache_dtype` cache runs in e4m3.
 
-    The e4m3 MMA reduces 32 elements per step: a head dim of 16 keeps the fp16 dot.
+    Wherever the Hopper MMA takes it: 8-17% faster fp8 verify and context on an H200 at equal
+    accuracy (the fp8 operand comparison of e617980, in git history). The e4m3 MMA reduces 32
+    elements per step: a head dim of 16 keeps the fp16 dot, as do smaller tiles and other GPUs.
     """
-    return (FP8_QUERIES and cache_dtype == torch.float8_e4m3fn and rows >= 64 and head_dim >= 32
+    return (cache_dtype == torch.float8_e4m3fn and rows >= 64 and head_dim >= 32
             and device.type == "cuda" and _is_hopper(_index(device)))
 
 

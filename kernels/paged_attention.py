@@ -22,16 +22,6 @@ from kernels.paged_tiles import TileConfig
 Q_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 CACHE_DTYPES = (*Q_DTYPES, torch.float8_e4m3fn)
 MAX_HEAD_DIM = 256
-# The last split of a (query tile, KV head) to finish merges the partials itself, with no merge
-# kernel, for verify blocks split at most this many ways: measured 5-10% faster at B 8-16, q_len 8
-# on an H200 (bench/results/latency_ablation.md). Decode, whose merge kernel is small, and deeper
-# splits, whose merge steps run one after another in that one program, keep the merge kernel.
-FUSED_MERGE_MAX_SPLITS = 4
-# query_start_loc entries one program loads at once to find its sequence in verify and prefill
-# batches: one round trip for B < 64 where a binary search waits log2(B) dependent loads. Measured
-# on an H200 (bench/results/latency_ablation.md): bf16 verify 1-4% faster; pure decode batches
-# were up to 5% slower with it (fp8, B >= 32), so they keep the binary search. 1 turns it off.
-SEQ_SEARCH = 64
 # fp32 elements of partial state one fused-merge step holds per thread (register budget).
 FUSED_MERGE_ELEMENTS_PER_THREAD = 64
 
@@ -133,7 +123,23 @@ def _fused_merge_chunk(tiles: TileConfig, d_pad: int) -> int:
 
 
 def _launch_paged_attention(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale, k_scale,
-                            v_scale, num_splits, out, tiles: TileConfig | None = None):
+                            v_scale, num_splits, out, tiles: TileConfig | None = None, *,
+                            fused_merge_max_splits: int = 4, seq_search: int = 64):
+    """Plan (unless `tiles` is given), launch the kernel and, for a split not merged in it, the merge.
+
+    fused_merge_max_splits: verify and prefill batches split at most this many ways merge in the
+    last split of each (query tile, KV head) to finish, with no merge kernel: 5-10% faster at B 8-16,
+    q_len 8 on an H200. Decode, whose merge kernel is small, and deeper splits, whose merge steps
+    run one after another in that one program, keep the merge kernel. 0 always takes the kernel.
+
+    seq_search: query_start_loc entries a program of a verify or prefill batch loads at once to
+    find its sequence: one round trip for B < 64 where a binary search waits log2(B) dependent
+    loads (bf16 verify 1-4% faster on an H200). Decode batches keep the binary search: up to 5%
+    slower with it (fp8, B >= 32). 1 bisects everywhere.
+
+    Both defaults were measured in the latency ablation of e900176 (in git history); the tests pass
+    other values to reach the other path.
+    """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -152,7 +158,7 @@ def _launch_paged_attention(q, k_cache, v_cache, block_table, seq_lens, query_st
     split = max_splits > 1
     grid = launch_grid(num_tokens, batch, num_kv_heads, max_splits, tiles.block_q)
     d_pad = max(16, triton.next_power_of_2(head_dim))
-    fused = split and num_tokens > batch and max_splits <= FUSED_MERGE_MAX_SPLITS
+    fused = split and num_tokens > batch and max_splits <= fused_merge_max_splits
     merge_chunk = _fused_merge_chunk(tiles, d_pad)
     if split:
         part_acc, part_lse = split_kv.alloc_partials(num_tokens * num_heads, max_splits, head_dim, q.device)
@@ -178,7 +184,7 @@ def _launch_paged_attention(q, k_cache, v_cache, block_table, seq_lens, query_st
         D_PAD=d_pad, BLOCK_Q=tiles.block_q, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
         TOKENS_PER_BLOCK=k_cache.shape[1], SCALES_ON_DEVICE=on_device, SPLIT=split,
         FUSED_MERGE=fused, MERGE_CHUNK=merge_chunk, DOT_DTYPE=operands.TL_DTYPES[dot_dtype], USE_PDL=use_pdl,
-        SEQ_SEARCH=SEQ_SEARCH if num_tokens > batch else 1,
+        SEQ_SEARCH=seq_search if num_tokens > batch else 1,
         NARROW_Q=operands.narrows_q(dot_dtype, q.dtype), FP8_CVT_ASM=operands.fp8_cvt_asm(q.device),
         FP8_Q=operands.quantizes_q(k_cache.dtype, q.device, tiles.block_m, d_pad),
         KEY_LANES=tiles.key_lanes,

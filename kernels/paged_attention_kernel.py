@@ -18,7 +18,7 @@ One kernel serves prefill chunks, verify blocks and decode, mixed in one launch.
 Programs map to (tile, head) with the heads fastest in launch order (the first two axes read as
 one index): the heads of a query tile run side by side and read the same pages, whose token rows
 interleave the heads (bf16 decode at B 128-256 2% faster than tiles fastest,
-bench/results/kernel_variants_21_head_order.md); query tiles run last first.
+kernel_variants_21_head_order, in git history); query tiles run last first.
 
 Query i of sequence b sits at ``seq_lens[b] - q_len + i`` and sees keys at positions <= its own.
 Key tiles entirely below the tile's first query position need no mask and take the fast loop;

@@ -20,8 +20,8 @@ from kernels.validation import FP8
 
 # Query rows (positions x group heads) per tile when the batch is mostly prefill: the tensor-core
 # tile that keeps a long chunk compute bound (256 rows x 64 keys in 3 stages: 9% faster than 128 x 128
-# for a bf16 and for an fp8 cache on an H200, bench/results/kernel_variants_2_tiles.md (git history) and
-# _3_stages.md); half of it where 32-bit operands or D > 128 would overflow shared memory and in the
+# for a bf16 and for an fp8 cache on an H200, kernel_variants_2_tiles (git history) and
+# _3_stages); half of it where 32-bit operands or D > 128 would overflow shared memory and in the
 # interpreter; FP8_PREFILL_ROWS over an fp8 cache (see GPU_TILES).
 PREFILL_ROWS = 256
 FP8_PREFILL_ROWS = 64
@@ -55,15 +55,15 @@ class TileConfig(NamedTuple):
 
 
 # (block_n, num_warps, num_stages) per regime and cache element size on a GPU: the winners of the
-# H200 sweeps recorded in bench/results/paged_attention_sweep.md (git history) and kernel_variants_*.md
+# H200 sweeps recorded in paged_attention_sweep (git history) and kernel_variants_*
 # (Qwen3-8B
 # geometry, D 128). bf16 verify tiles of at most 32 rows take 128 keys instead (q_len 8: 16% faster).
 # 32-bit operands keep at most 2 stages (shared memory).
 # An fp8 prefill takes the fp8 verify tile: FP8_PREFILL_ROWS (64) x 128 keys on one warpgroup in 2
 # stages, two programs per SM (their dots and softmax need not run in step): 4% faster than 128 x 128
 # on 8 warps in 5 stages (1514.5 -> 1450.1 us for the 8k prefill; 3 stages 1450.3; 64 keys 17%
-# slower; the same 64-row tiles 33-72% slower for a bf16 cache: kernel_variants_24_prefill_64_rows.md),
-# which was 5% faster than 256 x 64 in 3 stages (kernel_variants_19_prefill_stages.md (git history)). Above
+# slower; the same 64-row tiles 33-72% slower for a bf16 cache: kernel_variants_24_prefill_64_rows),
+# which was 5% faster than 256 x 64 in 3 stages (kernel_variants_19_prefill_stages (git history)). Above
 # DOUBLE_BUFFER_MAX_HEAD_DIM it takes the 16-bit prefill tile on half the rows, as before.
 GPU_TILES = {
     ("decode", 2): (128, 4, 3), ("verify", 2): (64, 4, 3), ("prefill", 2): (64, 8, 3),
@@ -116,7 +116,7 @@ def with_key_lanes(tiles: TileConfig, cache_dtype: torch.dtype, split: bool,
     """Chosen tiles with key lanes where they measured faster on an H200: fp8 tiles of <= 16 rows
     (decode, or verify of q_len x group <= 16) that walk whole contexts (no split) take 4 lanes of
     32 keys: 5-9% faster at B 32-128, ctx >= 8192, 1-3% slower at ctx 2048 (3 stages each,
-    bench/results/kernel_variants_13_key_lanes_default.md in git history). Not where a program walks few
+    kernel_variants_13_key_lanes_default in git history). Not where a program walks few
     tiles (B 1,
     split: 1.33x slower; B 32 ctx 2048: 1.03x), with 32-row tiles (q_len 8: 1.32x) or over bf16
     caches (1.01-1.07x). The stages are `with_double_buffering`'s."""
@@ -132,9 +132,9 @@ def with_double_buffering(tiles: TileConfig, cache_dtype: torch.dtype, head_dim:
 
     Triton's pipeliner spends stages on the page-id loads that the K/V addresses wait for: in an
     offline sm_90 build of these tiles, 3 or 4 stages keep ONE K and V buffer (the next tile's
-    loads start after this tile's dots), 5 give two. Side by side (bench/results/
-    kernel_variants_15_stages.md (git history) to _18_stages.md): fp8 decode with key lanes 4-15% faster (B 32
-    ctx 32768: 76% -> 89% of copy), split fp8 decode at B 8 2-14%, fp8 q_len 8 (32 rows) 5-9%;
+    loads start after this tile's dots), 5 give two. Side by side (kernel_variants_15_stages to
+    _18_stages, in git history): fp8 decode with key lanes 4-15% faster (B 32 ctx 32768: 76% -> 89%
+    of copy), split fp8 decode at B 8 2-14%, fp8 q_len 8 (32 rows) 5-9%;
     bf16 q_len 16 (64 x 64 tiles, one program per SM at 5 stages where two fit at 3) 4-10% for up
     to WAVES programs per SM (B 32 ctx 32768: 85% -> 93-95%; B 8 5-20% against the previous run),
     but from -3.5% to +6% at B 128-256, so those keep 3. Not taken: programs of many splits (B 1,

@@ -5,7 +5,7 @@ finishing: its programs are scheduled early and wait at ``griddepcontrol.wait`` 
 grid has completed and its writes are visible. That hides the launch gap between dependent
 kernels (the split and merge kernels of split-KV, or attention after the projection that wrote its
 queries): measured 0.5-1.7 us per call at small batches on an H200, where a call takes 10-30 us
-(bench/results/latency_ablation.md).
+(the latency ablation's result, in git history).
 
 Rule for kernels: call `wait_for_previous_grid` before the first load of any input and the first
 store of any output (only index arithmetic may run before it), and `allow_next_grid` once the
@@ -37,9 +37,6 @@ except ImportError:  # a Triton without grid dependency control: PDL stays off
     def gdc_launch_dependents():
         pass
 
-# Switch for side-by-side measurements (bench/); the kernels follow it on the next launch.
-ENABLED = True
-
 
 @functools.cache
 def _device_supports_pdl(device_index: int) -> bool:
@@ -48,8 +45,12 @@ def _device_supports_pdl(device_index: int) -> bool:
 
 def use_pdl(device: torch.device) -> bool:
     """Whether launches on `device` use PDL: a CUDA GPU of compute capability >= 9.0 and a Triton
-    that has grid dependency control (never the interpreter, which runs on CPU tensors)."""
-    if not ENABLED or device.type != "cuda" or not HAS_GDC:
+    that has grid dependency control (never the interpreter, which runs on CPU tensors).
+
+    No switch turns it off elsewhere: it changes no result, only the launch gaps
+    (tests/unit/kernels/test_pdl.py compares both on one GPU).
+    """
+    if device.type != "cuda" or not HAS_GDC:
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
     return _device_supports_pdl(index)

@@ -7,7 +7,6 @@ bf16 and fp8, are in test_paged_attention_gpu.py.
 
 from __future__ import annotations
 
-import importlib
 import itertools
 
 import pytest
@@ -43,22 +42,30 @@ def test_every_query_count_from_1_to_16():
     assert_close(run_kernel(batch), attention_f64(**batch), torch.float16)
 
 
+def launch(batch, num_splits=None, **kwargs):
+    """The launcher behind `kernels.paged_attention`, for the paths its defaults never take."""
+    out = torch.full_like(batch["q"], float("nan"))
+    _launch_paged_attention(batch["q"], batch["k_cache"], batch["v_cache"], batch["block_table"],
+                            batch["seq_lens"], batch["query_start_loc"], None, None, None, num_splits, out,
+                            **kwargs)
+    return out
+
+
 @pytest.mark.parametrize("search", [1, 16, 64])
-def test_every_program_finds_its_sequence_however_it_searches(search, monkeypatch):
+def test_every_program_finds_its_sequence_however_it_searches(search):
     # 37 sequences of mixed query counts (empty ones too): several 16-wide search steps, or bisection
-    monkeypatch.setattr(importlib.import_module("kernels.paged_attention"), "SEQ_SEARCH", search)
     q_lens = torch.randint(0, 6, (37,)).tolist()
     q_lens[0], q_lens[-1] = 3, 1
     ctx_lens = torch.randint(0, 40, (37,)).tolist()
     batch = make_batch(q_lens, ctx_lens, 4, 2, 16)
-    assert_close(run_kernel(batch), attention_f64(**batch), torch.float32)
+    assert_close(launch(batch, seq_search=search), attention_f64(**batch), torch.float32)
 
 
 @pytest.mark.parametrize("num_splits", [1, 3])
 @pytest.mark.parametrize("q_lens", [[1] * 23, [0, 6, 0, 0, 1, 0, 0, 1]], ids=["decode", "uneven"])
 def test_launches_of_as_many_queries_as_sequences_find_every_owner(q_lens, num_splits):
     # T == B: pure decode, and an uneven batch where a range longer than a tile shifts the owners
-    # of later tiles (bench/results/kernel_variants_22_decode_guess.md timed a guess of them)
+    # of later tiles (kernel_variants_22_decode_guess, in git history, timed a guess of them)
     assert sum(q_lens) == len(q_lens)
     ctx_lens = torch.randint(0, 60, (len(q_lens),)).tolist()
     batch = make_batch(q_lens, ctx_lens, 8, 2, 16)
@@ -88,14 +95,13 @@ def test_split_kv_matches_single_pass(num_splits):
 
 
 @pytest.mark.parametrize("fused", [True, False])
-def test_merge_in_the_last_split_and_merge_kernel_agree(fused, monkeypatch):
+def test_merge_in_the_last_split_and_merge_kernel_agree(fused):
     # decode and short verify rows: the last split of each (tile, head) merges, or a merge kernel does
-    monkeypatch.setattr(importlib.import_module("kernels.paged_attention"), "FUSED_MERGE_MAX_SPLITS",
-                        split_kv.MAX_SPLITS if fused else 0)
-
+    max_fused = split_kv.MAX_SPLITS if fused else 0
     for _ in range(2):  # a second call needs the counters the first one left at zero
         batch = make_batch([1, 2, 1], [200, 90, 37], 8, 2, 32)
-        assert_close(run_kernel(batch, num_splits=4), attention_f64(**batch), torch.float32)
+        out = launch(batch, num_splits=4, fused_merge_max_splits=max_fused)
+        assert_close(out, attention_f64(**batch), torch.float32)
     if fused:
         counters = split_kv.arrival_counters(1, torch.device(DEVICE))  # the buffer the calls used
         assert int(counters.abs().sum()) == 0
@@ -188,11 +194,7 @@ def test_key_lanes_fold_to_the_same_attention(block_n, key_lanes, num_splits):
     # decode and verify rows (causal diagonal tiles, a sequence with no cached keys, lengths ending
     # mid-tile) with each key tile dealt to independent per-row softmax states, merged at the end
     batch = make_batch([1, 4, 1, 3, 2], [37, 50, 0, 21, 90], 8, 2, 32, dtype=torch.float32)
-    out = torch.full_like(batch["q"], float("nan"))
-    tiles = TileConfig(4, 16, block_n, 4, 1, key_lanes)
-    _launch_paged_attention(batch["q"], batch["k_cache"], batch["v_cache"], batch["block_table"],
-                            batch["seq_lens"], batch["query_start_loc"], None, None, None, num_splits, out,
-                            tiles=tiles)
+    out = launch(batch, num_splits, tiles=TileConfig(4, 16, block_n, 4, 1, key_lanes))
     assert_close(out, attention_f64(**batch), torch.float32)
 
 

@@ -6,9 +6,9 @@ a 16-bit transposing ldmatrix (`LDSM.16.MT88`). Building both ways in a subproce
 that the CPU tests use cannot compile) shows the step doing its job on the Triton the CI installs;
 the codegen of other Triton versions may differ, so the check runs on the pinned one only.
 
-The e4m3 score dot (`kernels.operands.FP8_QUERIES`) of a 64-row tile must reach the Hopper MMA in
-e4m3 (QGMMA, for q's two terms) with the keys as stored, so only the values are
-widened; an fp8 dot that Triton lowered by widening both operands again would keep the cost and lose
+The e4m3 score dot (`kernels.operands.quantizes_q`, on Hopper for fp8 caches) of a 64-row tile must
+reach the Hopper MMA in e4m3 (QGMMA, for q's two terms) with the keys as stored, so only the values
+are widened; an fp8 dot that Triton lowered by widening both operands again would keep the cost and lose
 nothing visible in the outputs.
 
 The stage counts the launchers take (`paged_tiles.DOUBLE_BUFFER_STAGES`, the context kernel's 5)
@@ -26,12 +26,11 @@ import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import triton
+from tiers import ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.skipif(not triton.__version__.startswith("3.9"),
                                 reason="SASS shapes checked against the pinned Triton 3.9")
 

@@ -13,18 +13,24 @@ def test_never_on_cpu_tensors_the_interpreter_runs():
     assert not pdl.use_pdl(torch.device("cpu"))
 
 
+@pytest.mark.parametrize(("sm90", "has_gdc"), [(True, True), (False, True), (True, False)])
+def test_only_sm90_gpus_under_a_triton_with_grid_dependency_control(sm90, has_gdc, monkeypatch):
+    # the capability query stands in for the GPU: an explicit index never asks torch.cuda for one
+    monkeypatch.setattr(pdl, "_device_supports_pdl", lambda index: sm90)
+    monkeypatch.setattr(pdl, "HAS_GDC", has_gdc)
+    assert pdl.use_pdl(torch.device("cuda", 0)) == (sm90 and has_gdc)
+
+
 @pytest.mark.gpu
-def test_switch_turns_it_off_on_a_gpu(monkeypatch):
-    device = torch.device("cuda")
+def test_this_gpu_uses_it_when_it_is_sm90_or_later():
     expected = torch.cuda.get_device_capability()[0] >= 9 and pdl.HAS_GDC
-    assert pdl.use_pdl(device) == expected
-    monkeypatch.setattr(pdl, "ENABLED", False)
-    assert not pdl.use_pdl(device)
+    assert pdl.use_pdl(torch.device("cuda")) == expected
 
 
 @pytest.mark.gpu
 def test_results_are_bitwise_equal_with_and_without_it(monkeypatch):
-    # a split context call (split + merge kernels) and a split decode (fused merge), back to back
+    # a split context call (split + merge kernels) and a split decode (fused merge), back to back;
+    # "without" is the launches a GPU before sm_90 takes, here on this one
     gen = torch.Generator(device="cuda").manual_seed(0)
     dev = dict(device="cuda", dtype=torch.bfloat16)
     pages = torch.randperm(256, device="cuda", generator=gen).int().view(2, 128)
@@ -42,7 +48,7 @@ def test_results_are_bitwise_equal_with_and_without_it(monkeypatch):
         return ctx, dec
 
     with_pdl = both()
-    monkeypatch.setattr(pdl, "ENABLED", False)
+    monkeypatch.setattr(pdl, "_device_supports_pdl", lambda index: False)
     without = both()
     for a, b in zip(with_pdl, without):
         assert torch.equal(a, b)

@@ -36,13 +36,12 @@ def test_shift_brings_the_largest_value_into_range_by_a_power_of_two(amax):
     assert torch.isfinite(out.half()).all()
 
 
-def test_mma_dtype_rule(monkeypatch):
+def test_mma_dtype_rule():
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     assert operands.mma_dtype(torch.bfloat16, FP8, cpu) == torch.float32  # the interpreter
     assert operands.mma_dtype(torch.bfloat16, torch.bfloat16, cuda) == torch.bfloat16
     assert operands.mma_dtype(torch.bfloat16, FP8, cuda) == torch.float16
-    monkeypatch.setattr(operands, "FP8_WIDEN_DTYPE", None)
-    assert operands.mma_dtype(torch.bfloat16, FP8, cuda) == torch.bfloat16
+    assert operands.mma_dtype(torch.float16, FP8, cuda) == torch.float16
     assert operands.narrows_q(torch.float16, torch.bfloat16)
     assert not operands.narrows_q(torch.float16, torch.float16)
     assert not operands.narrows_q(torch.bfloat16, torch.bfloat16)
@@ -78,10 +77,7 @@ def test_e4m3_scores_only_for_fp8_caches_in_hopper_mma_tiles(monkeypatch):
     assert not operands.quantizes_q(torch.bfloat16, cuda, 64, 128)
     assert not operands.quantizes_q(FP8, cpu, 64, 128)  # the interpreter has no e4m3 math
     monkeypatch.setattr(operands, "_is_hopper", lambda index: False)
-    assert not operands.quantizes_q(FP8, cuda, 64, 128)
-    monkeypatch.setattr(operands, "_is_hopper", lambda index: True)
-    monkeypatch.setattr(operands, "FP8_QUERIES", False)
-    assert not operands.quantizes_q(FP8, cuda, 64, 128)
+    assert not operands.quantizes_q(FP8, cuda, 64, 128)  # other GPUs keep the fp16 score dot
 
 
 @triton.jit
