@@ -20,10 +20,10 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 python3 -c 'import pydantic, grpc, torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
 if [ "${TESTS:-1}" != 0 ]; then
-    python3 -m pytest -q -p no:cacheprovider tests/foundation/test_host_transfer.py tests/target_service/test_verify.py \
-        tests/target_service/test_engine_gpu.py tests/target_service/test_cuda_graph_padding.py \
-        tests/target_service/test_context_rows.py tests/target_service/test_kv_cache_dtype.py \
-        tests/kernels/test_fused_layers.py > "$OUT/gpu_tests_step.txt" 2>&1
+    python3 -m pytest -q -p no:cacheprovider tests/unit/foundation/test_host_transfer.py tests/unit/target_service/test_verify.py \
+        tests/engine/test_engine_gpu.py tests/unit/target_service/test_cuda_graph_padding.py \
+        tests/engine/test_context_rows.py tests/engine/test_kv_cache_dtype.py \
+        tests/unit/kernels/test_fused_layers.py > "$OUT/gpu_tests_step.txt" 2>&1
     tail -n 3 "$OUT/gpu_tests_step.txt"
 fi
 timeout "${LIMIT:-420}" python3 -m dflash_cli.bench.step --steps 8 --batch-sizes 1 32 --contexts 2048 8192 \

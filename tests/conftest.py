@@ -1,4 +1,6 @@
-"""Test-wide setup: the Triton interpreter on machines without a GPU, and the `gpu` marker.
+"""Test-wide setup: the Triton interpreter on machines without a GPU, the `gpu` marker, and each
+test's tier as a marker named after its folder (`-m unit`, `-m "not cluster"`; docs/architecture.md
+section 10).
 
 TRITON_INTERPRET must be set before triton is first imported, so this runs at the very top.
 """
@@ -18,15 +20,19 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
+from pathlib import Path  # noqa: E402
+
 import pytest  # noqa: E402
+from tiers import tier_of  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):
-    if HAS_CUDA:
-        return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
-        if "gpu" in item.keywords:
+        tier = tier_of(Path(item.fspath))
+        if tier is not None:
+            item.add_marker(getattr(pytest.mark, tier))
+        if not HAS_CUDA and "gpu" in item.keywords:
             item.add_marker(skip_gpu)
 
 

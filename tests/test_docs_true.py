@@ -27,8 +27,8 @@ import tokenize
 from pathlib import Path
 
 import pytest
+from tiers import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 ARCHITECTURE = ROOT / "docs" / "architecture.md"
 PRODUCT = ["kernels", "foundation", "kvpool_service", "drafter_service", "target_service", "training",
            "dflash_cli"]

@@ -12,7 +12,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from tiers import ROOT
+
 ENGINE_ROOM = ROOT / "target_service" / "engine"
 # The packages that may import the engine at all (the import-flow test keeps the others below it).
 CALLERS = ["target_service", "training", "dflash_cli", "bench"]

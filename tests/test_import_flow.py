@@ -14,8 +14,8 @@ import ast
 from pathlib import Path
 
 import pytest
+from tiers import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 LAYERS = ["kernels", "foundation", "kvpool_service", "drafter_service", "target_service", "training",
           "dflash_cli", "bench"]
 TARGET_ASSEMBLERS = {"target_service/assembly/in_process.py", "target_service/assembly/assembler.py"}

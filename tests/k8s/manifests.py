@@ -10,14 +10,13 @@ import copy
 import functools
 import re
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import yaml
+from tiers import ROOT
 
 from tests.k8s.kustomize_render import render
 
-ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "k8s"
 OVERLAYS = ("cpu-demo", "gpu")
 # Test ids: tests/conftest.py skips every test with a keyword "gpu" on machines without CUDA.

@@ -14,11 +14,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from tiers import ROOT
 
 from dflash_cli.bench import plotting, serve_report, step
 from dflash_cli.bench.serve_load import RequestResult
 
-ROOT = Path(__file__).resolve().parents[3]
 PNG = b"\x89PNG"
 STEP_RESULT = {"name": "e2e", "device": "cpu", "torch": "-", "commit": "-", "date": "-", "command": "-",
                "geometry": "tiny", "dtype": "float32", "simulate_acceptance": 6.5, "steps": 1,

@@ -10,12 +10,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from tiers import ROOT
 from tiny_checkpoints import write_drafter_checkpoint, write_target_checkpoint
 
 import dflash_cli.main as cli
 from dflash_cli.flags import log_level, walk_parsers
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def generate(target: Path, drafter: Path, *flags: str) -> subprocess.CompletedProcess:

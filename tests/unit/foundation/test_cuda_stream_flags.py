@@ -2,7 +2,8 @@
 mark, an older mark does not pass it, and `release` frees a stream whose mark will never come; on
 any machine, both orderings refuse what is not theirs in one line.
 
-(Across processes the step channel's GPU tests cover it: tests/foundation/test_step_channel_gpu_ordering.py.)
+(Across processes the step channel's GPU tests cover it:
+tests/multiprocess/test_step_channel_gpu_ordering.py.)
 """
 
 import random

@@ -11,10 +11,10 @@ import threading
 from pathlib import Path
 
 import pytest
+from tiers import ROOT
 
 import dflash_cli.main as cli
 
-ROOT = Path(__file__).resolve().parents[2]
 TARGET, DRAFTER = ROOT / "examples" / "qwen3-8b", ROOT / "examples" / "qwen3-8b-dflash-b16"
 MODULES = ("dflash_cli.kvpool", "dflash_cli.admin")
 # The dispatcher with these subcommands, whether or not cli.py lists them yet.

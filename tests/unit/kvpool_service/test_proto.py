@@ -6,11 +6,10 @@ import importlib.util
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from tiers import ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
 spec = importlib.util.spec_from_file_location("proto_generate", ROOT / "protos" / "generate.py")
 generate = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(generate)

@@ -3,13 +3,13 @@
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from tiers import ROOT
 
 from dflash_cli.main import main
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+EXAMPLES = ROOT / "examples"
 BASE = ["plan", "--target", str(EXAMPLES / "qwen3-8b"), "--drafter", str(EXAMPLES / "qwen3-8b-dflash-b16"),
         "--max-model-len", "32768", "--max-num-seqs", "64"]
 

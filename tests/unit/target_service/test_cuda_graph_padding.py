@@ -1,6 +1,6 @@
 """What the CUDA graph runners do around the replay, checked eagerly on CPU (capture=False): a batch
 padded to a captured size gives the unpadded forward's logits, taps and drafts, and the dummy
-sequences write nothing. The replay itself is the GPU tests' (test_engine_gpu.py)."""
+sequences write nothing. The replay itself is the GPU tests' (tests/engine/test_engine_gpu.py)."""
 
 import random
 

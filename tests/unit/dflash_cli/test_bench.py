@@ -10,13 +10,12 @@ import json
 import socket
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from tiers import ROOT
 
 import dflash_cli.main as cli
 
-ROOT = Path(__file__).resolve().parents[2]
 URL = ("--url", "http://127.0.0.1:8000/v1")
 
 

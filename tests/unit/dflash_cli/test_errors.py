@@ -6,15 +6,14 @@ from __future__ import annotations
 import re
 import shutil
 import socket
-from pathlib import Path
 
 import pytest
+from tiers import ROOT
 from tiny_checkpoints import write_drafter_checkpoint, write_target_checkpoint
 
 import dflash_cli.main as cli
 from dflash_cli.flags import attach_dash_values
 
-ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ("--target", str(ROOT / "examples" / "qwen3-8b"),
             "--drafter", str(ROOT / "examples" / "qwen3-8b-dflash-b16"))
 UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}

@@ -1,7 +1,7 @@
 """The choice of the step channel's GPU ordering: names checked in one line, the environment's
 override read only for "auto", and each mechanism refusing a device that is not CUDA.
 
-(On a GPU both mechanisms order real work: tests/foundation/test_step_channel_gpu_ordering.py.)
+(On a GPU both mechanisms order real work: tests/multiprocess/test_step_channel_gpu_ordering.py.)
 """
 
 import pytest

@@ -9,9 +9,9 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from tiers import ROOT
+
 HEAVY = ["grpc", "numpy", "ray", "safetensors", "tokenizers", "torch", "transformers", "triton"]
 HELPS = [["--help"], ["plan", "--help"], ["admin", "--help"], ["admin", "stats", "--help"],
          ["generate", "--help"], ["kvpool", "--help"], ["train", "drafter", "--help"]]

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# The GPU-marked tests on one CUDA machine, RUNS times in a row (default 3): each run's log names every
+# test (-v), a test that hangs past TEST_TIMEOUT_S is failed with every thread's stack dumped, and the
+# slowest ten are listed. The image lacks pydantic and gRPC's extras: carry .whl (pydantic, grpcio with
+# its health and reflection wheels, protobuf; for the machine's Python) and they are installed first.
+#
+#   OUT=DIR RUNS=3 bash tests/run_gpu_tests.sh [more pytest arguments]
+set -uo pipefail
+OUT=${OUT:-/tmp/gpu_tests}
+RUNS=${RUNS:-3}
+mkdir -p "$OUT"
+if compgen -G ".whl/*.whl" > /dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+        .whl/*.whl || exit 1
+    export PYTHONPATH=/tmp/site:$PWD
+fi
+export PYTHONUNBUFFERED=1
+python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__,
+                                       torch.cuda.get_device_name())' | tee "$OUT/gpu_tests_env.txt"
+# The tiers that hold GPU tests and need neither Ray nor the HTTP stack.
+SUITES="tests/unit/kernels tests/unit/foundation tests/unit/kvpool_service tests/unit/target_service
+        tests/engine tests/multiprocess"
+for run in $(seq 1 "$RUNS"); do
+    start=$(date +%s)
+    # shellcheck disable=SC2086
+    timeout "${RUN_LIMIT_S:-240}" python3 -m pytest -v -ra -m gpu -p no:cacheprovider \
+        --timeout "${TEST_TIMEOUT_S:-120}" --durations 10 $SUITES "$@" > "$OUT/gpu_tests_run$run.log" 2>&1
+    code=$?
+    echo "run $run: exit $code after $(( $(date +%s) - start )) s: $(tail -n 1 "$OUT/gpu_tests_run$run.log")"
+done
