@@ -5,6 +5,9 @@
 # its health and reflection wheels, protobuf; for the machine's Python) and they are installed first.
 #
 #   OUT=DIR RUNS=3 bash tests/run_gpu_tests.sh [more pytest arguments]
+#
+# COLD=1 empties Triton's cache first, so the first run compiles every kernel it reaches, as on a
+# fresh machine (the first run's time is then mostly compiling).
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_tests}
 RUNS=${RUNS:-3}
@@ -20,10 +23,13 @@ python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", tr
 # The tiers that hold GPU tests and need neither Ray nor the HTTP stack.
 SUITES="tests/unit/kernels tests/unit/foundation tests/unit/kvpool_service tests/unit/target_service
         tests/engine tests/multiprocess"
+if [ "${COLD:-0}" = 1 ]; then
+    rm -rf "${TRITON_CACHE_DIR:-$HOME/.triton/cache}"
+fi
 for run in $(seq 1 "$RUNS"); do
     start=$(date +%s)
     # shellcheck disable=SC2086
-    timeout "${RUN_LIMIT_S:-240}" python3 -m pytest -v -ra -m gpu -p no:cacheprovider \
+    timeout "${RUN_LIMIT_S:-420}" python3 -m pytest -v -ra -m gpu -p no:cacheprovider \
         --timeout "${TEST_TIMEOUT_S:-120}" --durations 10 $SUITES "$@" > "$OUT/gpu_tests_run$run.log" 2>&1
     code=$?
     echo "run $run: exit $code after $(( $(date +%s) - start )) s: $(tail -n 1 "$OUT/gpu_tests_run$run.log")"
