@@ -41,6 +41,17 @@ class DraftRecorder:
         self.drafts.append(self.buffers.draft_tokens[:num_seqs, :num_draft].tolist())
 
 
+def recorded_reference(target, drafter, prompts, params, **settings):
+    """(llm, tokens, recorder): the single-process engine's outputs for `prompts` with every proposal
+    recorded, the reference a split of the services must reproduce; the caller closes `llm`."""
+    llm = LLM(target, drafter, **settings)
+    runner = llm.assembly.runner
+    recorder = DraftRecorder(runner.drafter, runner.step_buffers)
+    runner.swap_drafter(recorder)
+    tokens = [out.outputs[0].token_ids for out in llm.generate(prompts, params)]
+    return llm, tokens, recorder
+
+
 class OracleDrafter:
     """Wraps the real DraftWorker: records every context write, and proposes the KNOWN target
     continuation (from a target-only reference run) with some drafts corrupted on purpose.

@@ -14,7 +14,7 @@ import dataclasses
 import multiprocessing
 
 import pytest
-from engine_helpers import DraftRecorder, make_pair, random_prompts
+from engine_helpers import DraftRecorder, make_pair, random_prompts, recorded_reference
 
 from drafter_service.assembler import DrafterArgs, DrafterAssembler
 from drafter_service.channel_control import ChannelDraftControl, DraftOp, serve_draft_worker
@@ -26,7 +26,6 @@ from target_service.assembly.assembler import TargetAssembler
 from target_service.assembly.engine_args import EngineArgs
 from target_service.assembly.plan import resolve_plan
 from target_service.engine.sampling_params import SamplingParams
-from target_service.llm import LLM
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 SPAWN = multiprocessing.get_context("spawn")
@@ -63,11 +62,7 @@ def test_a_drafter_process_behind_the_channel_drafts_what_the_in_process_worker_
     prompts = random_prompts(3, 160)
     settings = dict(num_speculative_tokens=5, kv_cache_memory="4MiB", tokens_per_block=16,
                     max_num_seqs=MAX_NUM_SEQS, max_model_len=128, device=device, dtype="float32")
-    single = LLM(target, drafter, **settings)
-    runner = single.assembly.runner
-    recorder = DraftRecorder(runner.drafter, runner.step_buffers)
-    runner.swap_drafter(recorder)
-    expected = [out.outputs[0].token_ids for out in single.generate(prompts, GREEDY)]
+    single, expected, recorder = recorded_reference(target, drafter, prompts, GREEDY, **settings)
     expected_accepted = single.stats.num_accepted_tokens
     single.close()
     assert len(recorder.drafts) >= 10  # enough steps for the comparison to mean something

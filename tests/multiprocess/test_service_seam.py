@@ -17,7 +17,7 @@ import multiprocessing
 
 import pytest
 import torch
-from engine_helpers import DraftRecorder, make_pair, random_prompts
+from engine_helpers import DraftRecorder, make_pair, random_prompts, recorded_reference
 
 from drafter_service.assembler import DrafterArgs, DrafterAssembler
 from kvpool_service.assembler import build_pool
@@ -27,7 +27,6 @@ from target_service.assembly.assembler import TargetAssembler
 from target_service.assembly.engine_args import EngineArgs
 from target_service.assembly.plan import EnginePlan, resolve_plan
 from target_service.engine.sampling_params import SamplingParams
-from target_service.llm import LLM
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 SPAWN = multiprocessing.get_context("spawn")
@@ -111,11 +110,7 @@ def test_target_and_drafter_in_their_own_processes_equal_the_single_process_engi
     prompts = random_prompts(3, 160)
     settings = dict(num_speculative_tokens=5, context_storage=storage, kv_cache_memory="4MiB",
                     tokens_per_block=16, max_num_seqs=4, max_model_len=128, device=device, dtype="float32")
-    single = LLM(target, drafter, **settings)
-    runner = single.assembly.runner
-    recorder = DraftRecorder(runner.drafter, runner.step_buffers)
-    runner.swap_drafter(recorder)
-    expected = [out.outputs[0].token_ids for out in single.generate(prompts, GREEDY)]
+    single, expected, recorder = recorded_reference(target, drafter, prompts, GREEDY, **settings)
     expected_accepted = single.stats.num_accepted_tokens
     groups = [group.name for group in single.assembly.pool.layout.spec.groups]
     expected_arenas = {name: single.assembly.pool.memory.arena(name).to("cpu", copy=True) for name in groups}
