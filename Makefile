@@ -17,7 +17,7 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '2.13.0')" 2>/dev/null \
-		|| $(PIP) install "$(TORCH_PIN)"
+		|| $(PIP) install "$(TORCH_PIN)" "numpy>=1.26"  # numpy with torch: its import warns without it
 	$(BIN)/python -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"
 	$(PIP) install -e ".[dev]"
 	$(BIN)/python -c "import kernels, kvpool_service, drafter_service, target_service, ray, grpc, pydantic"
