@@ -10,6 +10,11 @@ Admission control: at most `max_waiting` requests wait for a slot; past that `ge
 whose consumer goes away (client disconnect: the async generator is closed or cancelled) is aborted,
 which frees its pages before the next step.
 
+One request's failure is its own: a request the engine finished with "error", or whose own
+publishing here raised (its detokenisation), gets a last delta (finished, finish_reason "error") and
+leaves the engine, its pages freed, while the others stream on. Only an error out of a whole step
+(the device, the pool) stops the thread, and every waiting request then gets `EngineDead`.
+
 Streamed text is the finished text's prefix: while a request runs, the last characters that could
 still turn out to begin a stop string, and an unfinished UTF-8 sequence, are held back.
 """
@@ -166,28 +171,53 @@ class AsyncEngine:
                 self.engine.abort(request_id)
 
     def _publish(self) -> None:
-        """Post every tracked request's new tokens and text; finished ones leave the engine."""
+        """Post every tracked request's new tokens and text; finished ones leave the engine. A request
+        whose delta cannot be made fails alone."""
         for request_id in list(self._tracked):
             tracked = self._tracked[request_id]
-            seq = tracked.seq
-            new_tokens = seq.output_token_ids[tracked.sent_tokens:]
-            if not new_tokens and not seq.finish_reason:
+            try:
+                delta = self._delta(request_id, tracked)
+            except Exception as error:
+                logger.error("request %s failed alone while publishing: %r", request_id, error,
+                             exc_info=error)
+                delta = self._failed(request_id, tracked)
+            if delta is None:
                 continue
-            text = self.engine.output_text(seq)
-            if not seq.finish_reason:
-                text = text[: len(text) - _held_back(text, tracked.params)]
-            new_text = text[len(tracked.sent_text):] if text.startswith(tracked.sent_text) else ""
-            tracked.sent_tokens += len(new_tokens)
-            tracked.sent_text += new_text
-            delta = RequestDelta(request_id, list(new_tokens), new_text,
-                                 finished=seq.finish_reason is not None, finish_reason=seq.finish_reason,
-                                 num_prompt_tokens=len(seq.prompt_token_ids),
-                                 num_output_tokens=len(seq.output_token_ids))
             if delta.finished:
-                delta.spec_decode = seq.spec_decode.copy()
                 del self._tracked[request_id]
-                self.engine.release(request_id)
             tracked.loop.call_soon_threadsafe(tracked.queue.put_nowait, delta)
+
+    def _delta(self, request_id: str, tracked: _Tracked) -> RequestDelta | None:
+        """A request's new tokens and text since the last delta (None: nothing new); a finished one is
+        released from the engine."""
+        seq = tracked.seq
+        new_tokens = seq.output_token_ids[tracked.sent_tokens:]
+        if not new_tokens and not seq.finish_reason:
+            return None
+        text = self.engine.output_text(seq)
+        if not seq.finish_reason:
+            text = text[: len(text) - _held_back(text, tracked.params)]
+        new_text = text[len(tracked.sent_text):] if text.startswith(tracked.sent_text) else ""
+        delta = RequestDelta(request_id, list(new_tokens), new_text,
+                             finished=seq.finish_reason is not None, finish_reason=seq.finish_reason,
+                             num_prompt_tokens=len(seq.prompt_token_ids),
+                             num_output_tokens=len(seq.output_token_ids))
+        if delta.finished:
+            delta.spec_decode = seq.spec_decode.copy()
+            self.engine.release(request_id)
+        tracked.sent_tokens += len(new_tokens)
+        tracked.sent_text += new_text
+        return delta
+
+    def _failed(self, request_id: str, tracked: _Tracked) -> RequestDelta:
+        """The last delta of a request whose publishing failed: it leaves the engine (an unfinished
+        one is aborted, which frees its pages) and ends with "error"."""
+        if self.engine.has_request(request_id):
+            self.engine.abort(request_id, reason="error")
+        seq = tracked.seq
+        return RequestDelta(request_id, list(seq.output_token_ids[tracked.sent_tokens:]), "", finished=True,
+                            finish_reason="error", num_prompt_tokens=len(seq.prompt_token_ids),
+                            num_output_tokens=len(seq.output_token_ids), spec_decode=seq.spec_decode.copy())
 
 
 def _held_back(text: str, params: SamplingParams) -> int:

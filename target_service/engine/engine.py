@@ -8,6 +8,12 @@ async scheduling the next step is launched before this one is read, when the sch
 now (`Scheduler.schedule_ahead`): the host then reads, checks stops and commits while the device
 runs it; a sequence that finished in the step before has that step's results dropped.
 
+One request cannot take the others down: when its part of a step raises (its sampling, which the
+runner reports in the step's `failed`, or its acceptance, emission and stop check here), it alone
+finishes with finish_reason "error" and its pages go back with the step's other finished ones; the
+rest of the batch goes on, token for token as without it. A failure of the whole step (the device,
+the pool) still raises out of `step`.
+
 Everything callers read or do is a method or property here (requests, counts, stats, output text,
 rebinding onto a restarted pool); nobody outside this room touches the scheduler or the sequences'
 registry.
@@ -103,15 +109,16 @@ class LLMEngine:
                              f"{params.max_tokens}); the pool has {usable} for one request: give it more "
                              "kv_cache_memory or ask for fewer tokens")
 
-    def abort(self, request_id: str) -> Sequence:
-        """Cancel a request between steps (a client that went away) and forget it: its pages are freed
-        now, its tokens so far stay readable on the returned sequence (finish_reason "abort")."""
+    def abort(self, request_id: str, *, reason: str = "abort") -> Sequence:
+        """Cancel a request between steps (a client that went away; `reason` "error": its caller's
+        own work on it failed) and forget it: its pages are freed now, its tokens so far stay
+        readable on the returned sequence (finish_reason `reason`, unless it had finished)."""
         seq = self._sequences.pop(request_id, None)
         if seq is None:
             raise ValueError(f"request id {request_id!r} is not in the engine")
         if not seq.is_finished:
             self._scheduler.abort(seq)
-            seq.finish_reason = "abort"  # a step launched ahead drops its results
+            seq.finish_reason = reason  # a step launched ahead drops its results
         self._drop_stale_ahead()
         return seq
 
@@ -232,19 +239,40 @@ class LLMEngine:
         plan = launched.plan
         live = [seq for seq in plan.seqs if not seq.finish_reason]
         self._num_dropped_ahead += len(plan.seqs) - len(live)
+        failed = launched.failed  # seq_id -> error: that sequence's own part of the step failed
+        for seq in live:
+            if seq.seq_id in failed:
+                self._fail(seq, failed[seq.seq_id])
         max_accepted = launched.max_accepted  # a step ahead: what the device decided, by the same rule
         if max_accepted is None:
             max_accepted = [self._scheduler.max_accepted(work.seq) for work in plan.decodes]
         for i, work in enumerate(plan.decodes):
             if not work.seq.finish_reason:
-                self._accept(work, max_accepted[i], tokens.accepted[i], tokens.decode_tokens[i])
+                self._isolated(work.seq, self._accept, work, max_accepted[i], tokens.accepted[i],
+                               tokens.decode_tokens[i])
         for chunk, chunk_tokens in zip(plan.prefills, tokens.prefill_tokens):
             if not chunk.seq.finish_reason:
-                self._finish_prefill(chunk, chunk_tokens)
+                self._isolated(chunk.seq, self._finish_prefill, chunk, chunk_tokens)
         self._scheduler.commit([seq for seq in live if not seq.finish_reason])
         finished = [seq for seq in live if seq.finish_reason]
         self._scheduler.finish(finished)
         return finished
+
+    def _isolated(self, seq: Sequence, work: Callable[..., None], *args) -> None:
+        """Run one sequence's part of the step; should it raise, that sequence alone fails. The
+        pool's loss is every sequence's, and propagates."""
+        try:
+            work(*args)
+        except POOL_GONE:
+            raise
+        except Exception as error:
+            self._fail(seq, error)
+
+    def _fail(self, seq: Sequence, error: BaseException) -> None:
+        """Finish one sequence with "error"; the step's finish releases its pages."""
+        logger.error("request %s failed alone and ends with an error: %r", seq.request_id, error,
+                     exc_info=error)
+        seq.finish_reason = "error"
 
     def _drop_stale_ahead(self) -> None:
         """A step launched ahead whose every sequence has finished has nothing left to read."""

@@ -10,7 +10,9 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None  # "stop" (EOS, stop token or stop string) or "length"
+    # "stop" (EOS, stop token or stop string), "length", "abort", or "error" (this request's own part
+    # of a step failed; the others went on)
+    finish_reason: str | None
 
 
 @dataclass

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 GREEDY_EPSILON = 1e-5
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # int64, as vLLM's API takes it
 
 
 class SamplingParams(BaseModel):
@@ -12,6 +13,12 @@ class SamplingParams(BaseModel):
 
     temperature 0 is greedy (argmax). top_k -1 and top_p 1.0 switch those filters off. `seed` makes a
     sampled request reproducible whatever else is in the batch.
+
+    The extremes: a temperature below GREEDY_EPSILON (1e-30, subnormals) is greedy, and any finite
+    larger one (1e30 included) is computed safely, tending to uniform; a top_p down to the smallest
+    float (5e-324) keeps the most likely token; a top_k of V or more is off. Refused, in one line
+    naming the field: temperature < 0, inf or NaN; top_p <= 0, > 1 or NaN; top_k 0 or < -1; a seed
+    outside int64. There are no min_p or penalties to check.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -33,6 +40,13 @@ class SamplingParams(BaseModel):
     def _top_k(cls, value: int) -> int:
         if value != -1 and value < 1:
             raise ValueError(f"top_k must be -1 (off) or >= 1, got {value}")
+        return value
+
+    @field_validator("seed")
+    @classmethod
+    def _seed(cls, value: int | None) -> int | None:
+        if value is not None and not SEED_MIN <= value <= SEED_MAX:
+            raise ValueError(f"seed must be within int64 ({SEED_MIN}..{SEED_MAX}), got {value}")
         return value
 
     @field_validator("stop", mode="before")

@@ -13,12 +13,16 @@ The pool's pages and the drafter sit behind what the services meet through (the 
 mapped from a `PoolHandle`, `DraftControl`, the step buffers both sides map), so splitting the
 services into processes changes nothing here. The runner reads sequences and writes only their
 `has_context` (False when the drafter missed a step).
+
+One request cannot fail the step: a sequence whose sampling raises is named in the step's `failed`
+(the engine finishes it with an error) and its rows keep the argmax, so the device work after it
+(verification, the context store, a step launched ahead) runs on valid tokens for everyone.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -51,6 +55,7 @@ class LaunchedStep:
     targets: torch.Tensor  # the target's token at every logits row [R]
     accepted: torch.Tensor | None  # accepted drafts per decode; None: no drafts in the step
     readback: HostReadback  # targets then accepted, on their way to the host
+    failed: dict[int, Exception] = field(default_factory=dict)  # seq_id -> why its sampling failed
 
 
 class ModelRunner:
@@ -78,7 +83,7 @@ class ModelRunner:
     def make_generator(self, seed: int) -> torch.Generator:
         """A generator of a request's own (its `seed`), on the device the sampling runs on."""
         generator = torch.Generator(self.device)
-        generator.manual_seed(seed)
+        generator.manual_seed(seed % 2**64)  # torch's own map of negative seeds, made total
         return generator
 
     def rebind(self, target_caches, graphs: TargetGraphs | None) -> None:
@@ -153,11 +158,11 @@ class ModelRunner:
         start the read."""
         drafts = verify.place_drafts(self.step_buffers.draft_tokens, batch.input_ids) if verify else None
         output = self._forward(batch, plan, verified)
-        targets = self._target_tokens(output.logits, plan.seqs, rows)
+        targets, failed = self._target_tokens(output.logits, plan.seqs, rows)
         accepted = verify.accepted_lengths(drafts, targets) if verify else None
         readback = HostReadback(targets if accepted is None else torch.cat([targets, accepted]))
         self._store_context(batch, output.taps, plan, rows, accepted)
-        return LaunchedStep(plan, verified, max_accepted, rows, targets, accepted, readback)
+        return LaunchedStep(plan, verified, max_accepted, rows, targets, accepted, readback, failed)
 
     # ---- the drafter ------------------------------------------------------------------------------
 
@@ -232,13 +237,43 @@ class ModelRunner:
                     return output
         return self.target(batch, self.target_caches)
 
-    def _target_tokens(self, logits: torch.Tensor, scheduled: list[Sequence], rows: dict[int, Rows]):
+    def _target_tokens(self, logits: torch.Tensor, scheduled: list[Sequence], rows: dict[int, Rows]
+                       ) -> tuple[torch.Tensor, dict[int, Exception]]:
         """The target's token at every logits row [R], on the device: argmax, and a sample in the
-        rows of each sampling request (its own generator, in the step's order)."""
+        rows of each sampling request (its own generator, in the step's order); and the sequences
+        whose sampling failed (seq_id -> error), whose rows keep the argmax.
+
+        Sampling already runs one request at a time (each has its own parameters and generator), so
+        the failing row is the sequence whose call raised: no batched op has to be taken apart.
+        What can only fail on the device, a distribution multinomial refuses, is ruled out before
+        the op by `filter_logits`, which keeps every row valid by construction; a device-side assert
+        could not be caught, and would end every request. An error is that sequence's alone only
+        if the device still works afterwards (`_device_failed`); otherwise it ends the step.
+        """
         tokens = logits.argmax(dim=-1)
+        failed: dict[int, Exception] = {}
         for seq in scheduled:
             logit_rows = rows[seq.seq_id].logits
-            if not seq.params.greedy and logit_rows.stop > logit_rows.start:
-                generator = seq.generator if seq.generator is not None else self.generator
-                tokens[logit_rows] = choose_tokens(logits[logit_rows], seq.params, generator)
-        return tokens
+            try:
+                if not seq.params.greedy and logit_rows.stop > logit_rows.start:
+                    generator = seq.generator if seq.generator is not None else self.generator
+                    tokens[logit_rows] = choose_tokens(logits[logit_rows], seq.params, generator)
+            except Exception as error:
+                if self._device_failed(error):
+                    raise
+                logger.warning("sampling failed for request %s alone: %r", seq.request_id, error)
+                failed[seq.seq_id] = error
+        return tokens, failed
+
+    def _device_failed(self, error: Exception) -> bool:
+        """Whether `error` is the device's (out of memory, or a CUDA context that no longer
+        synchronises) rather than one request's."""
+        if isinstance(error, torch.cuda.OutOfMemoryError):
+            return True
+        if self.device.type != "cuda":
+            return False
+        try:
+            torch.cuda.synchronize(self.device)
+        except RuntimeError:
+            return True
+        return False

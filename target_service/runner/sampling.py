@@ -16,22 +16,54 @@ import torch
 
 from target_service.engine.sampling_params import SamplingParams
 
+FP32_MAX = torch.finfo(torch.float32).max
+
 
 def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Probabilities [N, V] after temperature, top-k and top-p (nucleus) filtering, in fp32."""
-    scaled = logits.float() / params.temperature
-    if params.top_k != -1 and params.top_k < scaled.shape[-1]:
-        kth = scaled.topk(params.top_k, dim=-1).values[..., -1:]
-        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-    probs = scaled.softmax(dim=-1)
+    """Probabilities after temperature, top-k and top-p (nucleus) filtering.
+
+    Safe for any logits and any temperature (0, subnormal, 1e30, ...) and top_p (down to 5e-324):
+    every row keeps its most likely token with weight exactly 1 before normalising, so each row is
+    finite, non-negative and sums to 1, and `torch.multinomial` never meets an empty row (on a GPU
+    that would be a device-side assert, fatal to every request, which no `try` can catch).
+
+    Parameters
+    ----------
+    logits : torch.Tensor
+        [N, V], any float dtype; NaN counts as -inf and +inf as the largest fp32 value.
+    params : SamplingParams
+        temperature (0 or below fp32's range: one-hot on the top token, ties shared), top_k (-1 or
+        >= V: off), top_p (1.0: off).
+
+    Returns
+    -------
+    torch.Tensor
+        [N, V] float32.
+    """
+    x = logits.float().nan_to_num(nan=float("-inf"), posinf=FP32_MAX, neginf=float("-inf"))
+    if 0 < params.top_k < x.shape[-1]:  # on the logits: a temperature never reorders them
+        kth = x.topk(params.top_k, dim=-1).values[..., -1:]
+        x = x.masked_fill(x < kth, float("-inf"))
+    top = x.max(dim=-1, keepdim=True).values
+    temperature = min(params.temperature, FP32_MAX)  # as fp32, 1e300 would be inf and -inf / inf NaN
+    # (x - top) / T <= 0, exactly 0 at the top: exp cannot overflow, and the top token weighs 1
+    weights = torch.where(x >= top, 0.0, (x - top) / temperature).exp()
     if params.top_p < 1.0:
-        sorted_probs, order = probs.sort(dim=-1, descending=True)
-        # keep the smallest prefix whose mass reaches top_p: drop a token if the mass before it does
-        drop = sorted_probs.cumsum(dim=-1) - sorted_probs >= params.top_p
-        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
-        probs = probs / probs.sum(dim=-1, keepdim=True)
-    return probs
+        weights = weights * _nucleus(weights, x, params.top_p)
+    return weights / weights.sum(dim=-1, keepdim=True)
+
+
+def _nucleus(weights: torch.Tensor, x: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Which tokens top-p keeps [N, V] (bool): in order of x, the smallest prefix whose mass reaches
+    top_p, never fewer than one. The mass runs in float64, so a top_p below fp32's range (1e-46,
+    5e-324) is compared as given rather than as 0."""
+    order = x.argsort(dim=-1, descending=True, stable=True)
+    sorted_weights = weights.gather(-1, order).double()
+    mass = sorted_weights.cumsum(dim=-1)
+    before = (mass - sorted_weights) / mass[..., -1:]  # the mass of the tokens ranked above each
+    keep = before < top_p
+    keep[..., 0] = True  # the most likely token, whatever rounding says
+    return torch.zeros_like(keep).scatter(-1, order, keep)
 
 
 def choose_tokens(logits: torch.Tensor, params: SamplingParams,

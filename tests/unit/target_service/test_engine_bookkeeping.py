@@ -6,7 +6,7 @@ row and accepts the number of drafts a script says."""
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import pytest
 from fake_pool import FakePool
@@ -32,6 +32,7 @@ class Launched:
     plan: SchedulerOutput
     verified: list[int]
     max_accepted: list[int] | None
+    failed: dict = field(default_factory=dict)
 
 
 class FakeRunner:
