@@ -10,7 +10,7 @@ tar -xJf .devray/ray-slim.tar.xz -C /tmp/site
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
     .devray/*.whl .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD RAY_USAGE_STATS_ENABLED=0 RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 \
-    RAY_AUTH_MODE=disabled PYTHONUNBUFFERED=1
+    PYTHONUNBUFFERED=1
 cp bench/device_sitecustomize.py /tmp/site/sitecustomize.py  # INFO logs and stack dumps in every process
 python3 -c 'import ray, grpc, pydantic, torch; print("ray", ray.__version__, "torch", torch.__version__)'
 LIMIT=${LIMIT:-440}

@@ -6,6 +6,7 @@ TRITON_INTERPRET must be set before triton is first imported, so this runs at th
 """
 
 import os
+import secrets
 
 import torch
 
@@ -15,10 +16,13 @@ HAS_CUDA = torch.cuda.is_available()
 torch.set_num_threads(1)
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
-# Ray on one machine: loopback only, no telemetry, no auth prompts (docs/architecture.md section 8).
+# Ray on one machine: loopback only, no telemetry, token authentication on (docs/architecture.md
+# section 8). A Ray the tests start themselves (ray.cluster_utils.Cluster) runs with this process's
+# token, and so does a `dflash serve --address` joining it; start_ray gives a local Ray its own.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ["RAY_AUTH_MODE"] = "token"
+os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))
 
 from pathlib import Path  # noqa: E402
 

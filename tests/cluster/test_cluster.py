@@ -50,7 +50,7 @@ serve.run(Other.bind(), name="other", route_prefix="/other")
 
 
 def driver_env(ray_address: str | None = None) -> dict[str, str]:
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
     env.pop("RAY_ADDRESS", None)
     if ray_address is not None:
         env["RAY_ADDRESS"] = ray_address

@@ -31,6 +31,7 @@ from tests.k8s.manifests import (
 KUBERNETES_VERSION = "1.32.0"  # the schema version the manifests must satisfy (grpc probes GA in 1.27)
 SCHEMA = json.loads((ROOT / "tests/k8s/rayservice.schema.json").read_text())
 SECRET_NAME = "dflash-secrets"
+RAY_TOKEN_SECRET = "dflash-ray-token"  # Ray's token, key auth_token (KubeRay's name for it)
 
 overlays = pytest.mark.parametrize("overlay", OVERLAYS, ids=OVERLAY_IDS)
 
@@ -211,6 +212,21 @@ def test_no_secret_literal_in_the_manifests(overlay):
         assert not leaks, (resource["kind"], leaks)
     committed = [path for path in K8S.rglob("*") if path.is_file() and looks_like_secret(path.read_text())]
     assert not committed
+
+
+@overlays
+def test_ray_runs_with_token_authentication_from_the_secret(overlay):
+    result = rendered(overlay)
+    auth = result.rayservice["spec"]["rayClusterConfig"]["authOptions"]
+    assert auth == {"mode": "token", "secretName": RAY_TOKEN_SECRET}  # KubeRay reads the token there
+    for pod in result.pod_templates:  # head and workers: every Ray process needs the same token
+        env = {item["name"]: item for item in pod.ray_container["env"]}
+        assert env["RAY_AUTH_MODE"] == {"name": "RAY_AUTH_MODE", "value": "token"}
+        assert env["RAY_AUTH_TOKEN"]["valueFrom"] == {
+            "secretKeyRef": {"name": RAY_TOKEN_SECRET, "key": "auth_token"}}  # the key KubeRay reads
+        modes = [item.get("value") for container in pod.containers for item in container.get("env", [])
+                 if item["name"] == "RAY_AUTH_MODE"]
+        assert set(modes) == {"token"}  # no container turns it off
 
 
 def test_secret_detector_flags_keys_and_passes_names():

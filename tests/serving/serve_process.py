@@ -54,7 +54,7 @@ class Server:
                    "--kv-cache-memory", MODEL["kv_cache_memory"],
                    "--max-model-len", str(MODEL["max_model_len"]),
                    "--max-num-seqs", str(MODEL["max_num_seqs"]), *extra]
-        env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
+        env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
         env.pop("RAY_ADDRESS", None)
         self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                         env=env)
