@@ -6,7 +6,8 @@ the engine finishes that step without speculation and its sequences decode plain
 way). At the same moment the link asks for the drafter to be attached again (`reattach`, which
 returns a future: Ray queues the call until the restarted actor is up) and, from then on, checks
 that future without waiting at the start of each call; once it resolves, speculation resumes for
-new (and recomputed) sequences.
+new (and recomputed) sequences. A drafter that dies at any moment (mid-call, between calls, while
+being attached) or never comes back costs speculation only, never a request.
 """
 
 from __future__ import annotations
@@ -57,11 +58,27 @@ class DrafterLink:
         try:
             method(*args)
         except (PeerGone, TimeoutError) as error:
-            self.available = False
-            self.num_failures += 1
-            logger.warning("the drafter went away (%s); asking for it to be attached again", error)
-            self._ask()
+            self._lose(error)
             raise DrafterUnavailable(str(error)) from error
+
+    def attach_again(self, timeout_s: float) -> bool:
+        """Attach the drafter anew and wait for it (the pool moved: the context lives in the new pool's
+        pages). One that cannot be attached now is unavailable until a later attempt succeeds, as after
+        a death; returns whether it is attached."""
+        self._ask()
+        try:
+            self._pending.result(timeout_s)
+        except Exception as error:  # gone, restarting for longer than timeout_s, or its attach failed
+            self._lose(error)
+            return False
+        self._pending, self.available = None, True
+        return True
+
+    def _lose(self, error: Exception) -> None:
+        self.available = False
+        self.num_failures += 1
+        logger.warning("the drafter went away (%s); asking for it to be attached again", error)
+        self._ask()
 
     def _ask(self) -> None:
         self._pending, self._retry_at = self.reattach(), 0.0

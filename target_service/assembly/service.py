@@ -8,8 +8,10 @@ own thread and a cancelled call aborts its request, which frees its pages.
 
 Peers are found through a `ServicePeers` (the Ray layer implements it by actor name), so this class
 knows nothing of Ray. Faults it survives:
-- the drafter dies: the step channel sees its lock released, the engine goes on without speculation and
-  the drafter is attached again when Ray has restarted it (`DrafterLink`);
+- the drafter dies, at any moment and whether or not Ray restarts it: the step channel sees its lock
+  released, the engine goes on without speculation and the drafter is attached again when Ray has
+  restarted it (`DrafterLink`). Attaching runs in a thread of its own, so finding a drafter that is
+  restarting (or gone for good) never holds up a step;
 - the pool dies: the first failed control call finds the restarted pool, the engine moves onto it and
   recomputes its running sequences (`LLMEngine`'s on_pool_lost, `_recover_pool` here);
 - this process dies: Ray restarts it; finding the pool up, it starts at once and first releases the
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import os
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -91,6 +94,7 @@ class TargetService:
         self.control: LeasedPoolControl | None = None
         self.channel: StepChannel | None = None
         self.pool: PoolInfo | None = None
+        self._attacher = ThreadPoolExecutor(1, thread_name_prefix="dflash-attach-drafter")  # one at a time
         if peers.pool_info(wait=False) is not None:  # restarted by Ray: the pool is already up
             self.start()
 
@@ -139,9 +143,16 @@ class TargetService:
             logger.info("dropping the old pool's control: %s", error)
         self.control.inner.shutdown()
 
-    def _reattach_drafter(self):
-        buffers = self.assembler.buffers.export()
-        return self.peers.attach_drafter(self.pool.handle, buffers, self.channel.export())
+    def _reattach_drafter(self) -> Future:
+        """Ask the drafter to attach to this target's pool, step buffers and channel; a future of its
+        pid. In the attacher's thread: finding the drafter waits while Ray restarts it (and fails after
+        a while when it is gone for good), and the step loop only polls the future (`DrafterLink`).
+        Attempts run one after another, each with the pool as it is when the attempt starts."""
+        return self._attacher.submit(self._attach_drafter)
+
+    def _attach_drafter(self) -> int:
+        buffers, channel = self.assembler.buffers.export(), self.channel.export()
+        return self.peers.attach_drafter(self.pool.handle, buffers, channel).result(ATTACH_TIMEOUT_S)
 
     def _recover_pool(self, error: Exception) -> None:
         """The pool went away: move onto its next incarnation (or re-raise when it did not restart)."""
@@ -152,8 +163,7 @@ class TargetService:
         self.pool, self.control = pool, self._control(pool)
         requeued = self.assembler.rebind(self.engine, self.control, pool.handle)
         if self.link is not None:  # the drafter's context lives in the new pool's spec layers now
-            self._reattach_drafter().result(ATTACH_TIMEOUT_S)
-            self.link.available = True
+            self.link.attach_again(ATTACH_TIMEOUT_S)
         logger.warning("moved onto the restarted pool (epoch %d): %d sequences are being recomputed",
                        pool.epoch, len(requeued))
 
@@ -233,6 +243,7 @@ class TargetService:
                 "async_rpcs": lease.async_rpcs, **self.control.inner.traffic_totals(), **drafter}
 
     def close(self) -> None:
+        self._attacher.shutdown(wait=False, cancel_futures=True)
         if self.async_engine is not None:
             self.async_engine.shutdown()
         if self.control is not None:

@@ -167,7 +167,9 @@ class Scheduler:
             self.waiting.popleft()
             seq.status, seq.seq_index = SequenceStatus.RUNNING, result.seq_index
             seq.block_table = list(result.block_table)
-            seq.num_cached_tokens = seq.num_computed = result.num_cached_tokens
+            # the pool opens a sequence with num_context = its cached tokens (a block is cached only
+            # once its draft context is stored): start from the pool's count, which never shrinks
+            seq.num_cached_tokens = seq.num_computed = seq.num_context = result.num_cached_tokens
             seq.num_pool_known_tokens = seq.prefill_len
             self.running.append(seq)
             chunk = min(budget, seq.prefill_len - seq.num_computed)

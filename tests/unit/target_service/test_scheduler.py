@@ -12,6 +12,7 @@ import random
 import pytest
 from fake_pool import TOKENS_PER_BLOCK, FakePool
 
+from kvpool_service.block_manager import BlockManager
 from target_service.engine.draft_budget import DraftBudget
 from target_service.engine.sampling_params import SamplingParams
 from target_service.engine.scheduler import Scheduler
@@ -19,6 +20,7 @@ from target_service.engine.scheduler_output import DecodeWork, SchedulerOutput
 from target_service.engine.sequence import Sequence, SequenceStatus
 
 GREEDY = SamplingParams(max_tokens=100, temperature=0, ignore_eos=True)
+PREFIX_GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 
 
 def scheduler_over(pool, *, k=3, max_model_len=64, max_num_seqs=8, budget=32) -> Scheduler:
@@ -177,3 +179,25 @@ def test_rebind_requeues_every_running_sequence_for_recompute_oldest_first():
     assert seqs[1].status is SequenceStatus.FINISHED and not scheduler.running
     assert scheduler.pool is new_pool and not new_pool.calls  # the new pool never knew them
     assert all(seq.num_computed == 0 and not seq.block_table for seq in requeued)
+
+
+def test_a_prefix_hit_keeps_its_cached_context_when_its_first_step_loses_the_drafter():
+    """The pool opens a prefix hit with num_context = its cached tokens; a first step the drafter missed
+    (has_context False) must commit no less, or the pool refuses the shrink and the engine dies."""
+    pool = BlockManager(16, 4, max_num_seqs=4, max_model_len=64, watermark=0.0)
+    scheduler = Scheduler(pool, max_num_seqs=4, max_num_batched_tokens=32, draft_budget=DraftBudget(3, 64))
+    prompt = list(range(1, 11))  # 10 tokens: two full blocks of 4 to cache
+    first = Sequence("a", 0, prompt, PREFIX_GREEDY, 0)
+    scheduler.add(first)
+    scheduler.schedule()
+    first.num_computed = len(prompt)
+    scheduler.commit([first])
+    scheduler.finish([first])
+    again = Sequence("b", 1, prompt, PREFIX_GREEDY, 1)
+    scheduler.add(again)
+    scheduler.schedule()
+    assert again.num_cached_tokens == 8
+    again.has_context = False  # what the runner writes when the drafter missed this step
+    again.num_computed = len(prompt)
+    scheduler.commit([again])  # before the fix: InvalidRequest 'lengths cannot shrink ... num_context 8 -> 0'
+    assert again.num_context == 8 == pool.get(1).num_context
