@@ -9,6 +9,21 @@ ignore_eos, stop_token_ids and add_generation_prompt), so `model_dump()` is the 
 A field OpenAI defines but this server does not implement (echo, logprobs, best_of, suffix, the
 penalties, logit_bias) is refused by name when set to anything but its no-op value, never dropped:
 a client that asked for logprobs must learn it got none. `user` is accepted and ignored.
+
+Types are strict and say what the JSON schema says (the served OpenAPI schema is these models'
+`model_json_schema()`): a string is no number, a bool no integer, 0 no bool. One rule covers every
+integer field: a JSON number is an integer when its value is integral, so 87.0 is the token id 87
+(JSON Schema's own definition of "integer"); 87.5, "87" and true are refused.
+
+Limits, checked here before anything is tokenized, expanded or queued (each a 400 naming the field):
+
+| field          | limit                                  | why                                      |
+| n              | 1..MAX_N (128)                         | OpenAI's own bound; the server also caps |
+|                |                                        | prompts x n at its waiting queue         |
+| prompt (batch) | at most MAX_PROMPTS (1024) prompts     | each is tokenized before it is queued    |
+| stop           | MAX_STOP_STRINGS (16) strings of       | every step searches the output for each  |
+|                | 1..MAX_STOP_CHARS (256) characters     | one, on the engine's thread              |
+| stop_token_ids | at most MAX_STOP_TOKEN_IDS (64)        | checked at every token                   |
 """
 
 from __future__ import annotations
@@ -16,37 +31,98 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, computed_field, field_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    computed_field,
+    field_validator,
+)
 
 from target_service.engine.sampling_params import SamplingParams
 from target_service.serving.api_errors import ApiError
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+MAX_N = 128
+MAX_PROMPTS = 1024
+MAX_STOP_STRINGS, MAX_STOP_CHARS = 16, 256
+MAX_STOP_TOKEN_IDS = 64
 
 # ---- requests -----------------------------------------------------------------------------------
 
 
+def _integral(value: Any) -> Any:
+    """87.0 -> 87: an integral JSON number is an integer (JSON Schema's rule); anything else is left
+    for the strict int check to refuse (87.5, "87", true)."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def integer(**bounds) -> Any:
+    """The one integer type of every request field: strict, with the integral-number rule, and
+    `bounds` (ge, le) in the schema. The bounds go before the validator: after it pydantic would
+    write them into the JSON schema as "ge"/"le", which JSON Schema does not know."""
+    if not bounds:
+        return Annotated[int, BeforeValidator(_integral)]
+    return Annotated[int, Field(**bounds), BeforeValidator(_integral)]
+
+
+def _sampling_range(name: str) -> Any:
+    """SamplingParams' field `name` with its range (temperature >= 0, 0 < top_p <= 1, ...): the
+    request states the same range, so the schema shows it, and the rule stays SamplingParams'."""
+    field = SamplingParams.model_fields[name]
+    integral = (BeforeValidator(_integral),) if field.annotation is int else ()
+    return Annotated[(field.annotation, *field.metadata, *integral)]
+
+
+TokenId = integer(ge=0, le=INT64_MAX)
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
+PromptText = Annotated[str, Field(min_length=1)]  # an empty prompt has no token to start from (vLLM's rule)
+
+
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     include_usage: bool | None = False
 
 
-def _is_token_ids(value: Any) -> bool:
-    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+def _token_ids(value: Any) -> list[int] | None:
+    """`value` as token ids (integral numbers made ints), or None when it is no list of them."""
+    if not isinstance(value, list):
+        return None
+    ids = [_integral(t) for t in value]
+    if all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= INT64_MAX for t in ids):
+        return ids
+    return None
+
+
+def _request_schema(schema: dict, model: type[_SamplingRequest]) -> None:
+    """What the validators below add to the types, said in the JSON schema too: a field this server
+    does not implement accepts its no-op values or null only (`_refuse_unsupported`), and
+    stream_options needs stream true (`_stream_options`). One rule stays out, for JSON Schema cannot
+    compare two fields: chat's max_tokens and max_completion_tokens, when both are set, must agree."""
+    for name, accepted in model._no_op.items():
+        field = schema["properties"][name]
+        field.pop("type", None)
+        field["anyOf"] = [{"enum": list(accepted)}, {"type": "null"}] if accepted else [{"type": "null"}]
+        field["description"] = "not supported by this server: only its no-op value (or null) is accepted"
+    schema["if"] = {"properties": {"stream_options": {"type": "object"}}, "required": ["stream_options"]}
+    schema["then"] = {"properties": {"stream": {"const": True}}, "required": ["stream"]}
 
 
 class _SamplingRequest(BaseModel):
     """The fields both endpoints share, and the rule that turns them into `SamplingParams`.
 
-    A null is the field's default. Ranges (max_tokens >= 1, temperature >= 0, 0 < top_p <= 1, top_k)
-    are SamplingParams' to check (`from_body` and `to_sampling_params` ask it); this model checks
-    types and the request-only fields (n, seed, stream_options and the refused no-op fields).
+    A null is the field's default. The ranges (max_tokens >= 1, temperature >= 0, 0 < top_p <= 1)
+    are SamplingParams' fields' own, restated here so the schema shows them; `to_sampling_params`
+    still asks SamplingParams (top_k's -1-or-positive rule and the stop strings are its alone). This
+    model also checks the request-only fields (n, seed, stream_options, the refused no-op fields).
     """
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra=_request_schema)
 
     # field -> the values that ask for nothing this server lacks (None always does)
     _no_op: ClassVar[dict[str, tuple]] = {"frequency_penalty": (0,), "presence_penalty": (0,),
@@ -54,13 +130,13 @@ class _SamplingRequest(BaseModel):
     _prompt_field: ClassVar[str]
 
     model: str | None = None  # None: the served model
-    temperature: float | None = 1.0
-    top_p: float | None = 1.0
-    top_k: int | None = -1  # vLLM: -1 (or 0, or null) is off
-    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None  # vLLM
-    n: int | None = Field(1, ge=1)
+    temperature: _sampling_range("temperature") | None = 1.0
+    top_p: _sampling_range("top_p") | None = 1.0
+    top_k: integer(ge=-1) | None = -1  # vLLM: -1 (or 0, or null) is off
+    seed: integer(ge=INT64_MIN, le=INT64_MAX) | None = None
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None  # vLLM
+    n: integer(ge=1, le=MAX_N) | None = 1
     ignore_eos: bool | None = False  # vLLM
     stream: bool | None = False
     stream_options: StreamOptions | None = None
@@ -93,8 +169,13 @@ class _SamplingRequest(BaseModel):
     @field_validator("stop", mode="before")
     @classmethod
     def _stop(cls, value):
-        if value is None or isinstance(value, str) or (
-                isinstance(value, list) and all(isinstance(text, str) for text in value)):
+        """One sentence for every bad stop (the union's own errors would name its members)."""
+        texts = [value] if isinstance(value, str) else value
+        if value is None or (isinstance(texts, list) and all(isinstance(text, str) for text in texts)):
+            if value is not None and len(texts) > MAX_STOP_STRINGS:
+                raise ValueError(f"stop has {len(texts)} strings; at most {MAX_STOP_STRINGS} are allowed")
+            if value is not None and not all(1 <= len(text) <= MAX_STOP_CHARS for text in texts):
+                raise ValueError(f"stop strings must have 1 to {MAX_STOP_CHARS} characters")
             return value
         raise ValueError("stop must be a string or a list of strings")
 
@@ -160,24 +241,37 @@ class CompletionRequest(_SamplingRequest):
                                           "best_of": (1,), "suffix": ("",)}
     _prompt_field: ClassVar[str] = "prompt"
 
-    prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = 16
+    prompt: (PromptText | Annotated[list[TokenId], Field(min_length=1)]
+             | Annotated[list[PromptText], Field(min_length=1, max_length=MAX_PROMPTS)]
+             | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]],
+                         Field(min_length=1, max_length=MAX_PROMPTS)])
+    max_tokens: _sampling_range("max_tokens") | None = 16
     echo: bool | None = False
-    logprobs: int | None = None
-    best_of: int | None = None
+    logprobs: integer() | None = None
+    best_of: integer() | None = None
     suffix: str | None = None
 
     @field_validator("prompt", mode="before")
     @classmethod
     def _prompt(cls, value):
-        if value == [] or value == [[]]:
-            raise ValueError("prompt is empty")
-        if isinstance(value, str) or _is_token_ids(value):
+        """The shapes above, each refused in one sentence naming prompt (a union's own errors would
+        name its members); token ids come out as ints."""
+        if value in ("", [], [[]]) or (isinstance(value, list) and "" in value):
+            raise ValueError("prompt is empty (or holds an empty one): give at least one character or token")
+        if isinstance(value, str):
             return value
-        if isinstance(value, list) and (all(isinstance(p, str) for p in value)
-                                        or all(_is_token_ids(p) and p for p in value)):
+        ids = _token_ids(value)
+        if ids is not None:
+            return ids
+        if isinstance(value, list) and len(value) > MAX_PROMPTS:
+            raise ValueError(f"prompt is a batch of {len(value)} prompts; at most {MAX_PROMPTS} are allowed")
+        if isinstance(value, list) and all(isinstance(p, str) for p in value):
             return value
-        raise ValueError("prompt must be a string, a list of token ids, or a list of either")
+        batch = [_token_ids(p) for p in value] if isinstance(value, list) else [None]
+        if all(ids for ids in batch):
+            return batch
+        raise ValueError("prompt must be a string, a list of token ids (integers from 0 to 2**63 - 1), "
+                         "or a list of either")
 
     def prompts(self) -> list[str | list[int]]:
         """The batch: a single string or a single token list is a batch of one."""
@@ -189,17 +283,28 @@ class CompletionRequest(_SamplingRequest):
         return "max_tokens", self.max_tokens
 
 
-class ChatMessage(BaseModel):
-    """One message; content as a string or OpenAI's text parts, joined by newlines (as vLLM does)."""
+class TextPart(BaseModel):
+    """One of OpenAI's content parts, the only kind this server takes."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    """One message; content as a string or OpenAI's text parts, joined by newlines (as vLLM does):
+    once validated, `content` is always the string."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     role: Literal["system", "user", "assistant"]
-    content: str
+    content: str | list[TextPart]
 
     @field_validator("content", mode="before")
     @classmethod
     def _content(cls, value):
+        """Parts joined here, before the union, so a bad content is one sentence naming it."""
         if isinstance(value, list) and all(
                 isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
                 and len(part) == 2 for part in value):
@@ -216,17 +321,17 @@ class ChatCompletionRequest(_SamplingRequest):
                                           "top_logprobs": (0,)}
     _prompt_field: ClassVar[str] = "messages"
 
-    messages: list[ChatMessage]
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_tokens: _sampling_range("max_tokens") | None = None
+    max_completion_tokens: _sampling_range("max_tokens") | None = None
     logprobs: bool | None = False
-    top_logprobs: int | None = None
+    top_logprobs: integer() | None = None
     add_generation_prompt: bool = True  # vLLM
 
-    @field_validator("messages")
+    @field_validator("messages", mode="before")
     @classmethod
     def _messages(cls, value):
-        if not value:
+        if value == []:
             raise ValueError("messages is empty; give at least one message")
         return value
 

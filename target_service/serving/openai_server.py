@@ -9,10 +9,13 @@ authenticate and call it; errors are `ApiError`s the routes send as they are.
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
+
+from tokenizers import normalizers
 
 from target_service.engine.engine_client import EngineClient, EngineDead, QueueFull
 from target_service.serving.api_errors import ApiError
@@ -69,6 +72,7 @@ class OpenAIServer:
         self.metrics = metrics
         self.api_key = api_key
         self.draining = False
+        self.max_prompt_chars = max_prompt_chars(tokenizer, max_model_len)
 
     # ---- reading ----------------------------------------------------------------------------------
 
@@ -83,8 +87,10 @@ class OpenAIServer:
 
     def completion_jobs(self, request: CompletionRequest) -> list[_Job]:
         self._check_model(request.model)
+        prompts = request.prompts()
+        self._check_choices(len(prompts), request.n or 1)
         jobs = []
-        for number, prompt in enumerate(request.prompts()):
+        for number, prompt in enumerate(prompts):
             ids = self._encode(prompt, "prompt")
             for j, params in enumerate(request.to_sampling_params(len(ids), self.max_model_len)):
                 jobs.append(_Job(number * (request.n or 1) + j, ids, params))
@@ -92,6 +98,7 @@ class OpenAIServer:
 
     def chat_jobs(self, request: ChatCompletionRequest) -> list[_Job]:
         self._check_model(request.model)
+        self._check_choices(1, request.n or 1)
         try:
             text = load_chat_template(self.target_dir).render(request.messages, request.add_generation_prompt)
         except ValueError as error:
@@ -184,11 +191,28 @@ class OpenAIServer:
         if name is not None and name != self.model_name:
             raise ApiError.model_not_found(name, self.model_name)
 
+    def _check_choices(self, num_prompts: int, n: int) -> None:
+        """Before any prompt is tokenized or any choice made: a request whose choices (prompts x n, one
+        engine request each) outnumber the waiting queue could never be admitted, so it is a 400, not
+        a 429 that a client would retry forever."""
+        capacity = self.engine.max_waiting
+        if num_prompts * n > capacity:
+            asked = f"{num_prompts} prompts x n={n}" if num_prompts > 1 else f"n={n}"
+            raise ApiError.bad_request(
+                f"{'n' if n > 1 else 'prompt'}: this request asks for {num_prompts * n} choices ({asked}); "
+                f"this server queues at most {capacity} at a time (--max-waiting): split the request",
+                "n" if n > 1 else "prompt")
+
     def _encode(self, prompt, field: str, *, add_special_tokens: bool = True) -> list[int]:
         if isinstance(prompt, list):
             return list(prompt)
         if self.tokenizer is None:
             raise ApiError.bad_request(f"{field}: this model has no tokenizer; send token ids", field)
+        if self.max_prompt_chars is not None and len(prompt) > self.max_prompt_chars:
+            # tokenizing holds the event loop (~1.3 s a MiB): a text that cannot fit is refused unread
+            raise ApiError.bad_request(
+                f"{field}: the prompt has {len(prompt)} characters, more than {self.max_model_len} tokens "
+                f"(this model's maximum context length) can hold", field)
         return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens).ids
 
     def _preflight(self, jobs: list[_Job]) -> list[_Job]:
@@ -199,7 +223,11 @@ class OpenAIServer:
             raise ApiError.overloaded(
                 RETRY_AFTER_S, f"{self.engine.num_waiting} requests are already waiting; retry later"
             )
+        checked = set()  # a prompt's n choices share its ids and differ only in their seeds
         for job in jobs:
+            if id(job.prompt_token_ids) in checked:
+                continue
+            checked.add(id(job.prompt_token_ids))
             try:
                 self.engine.check(job.prompt_token_ids, job.params)
             except ValueError as error:
@@ -290,6 +318,36 @@ class OpenAIServer:
 
     def _usage(self, jobs: list[_Job], results) -> UsageInfo:
         return UsageInfo(prompt_tokens=_prompt_tokens(jobs), completion_tokens=sum(r[2] for r in results))
+
+
+def max_prompt_chars(tokenizer, max_model_len: int) -> int | None:
+    """The most characters a text of max_model_len tokens can have, or None where no bound is known.
+
+    Under a byte-level pre-tokenizer every byte of the text becomes one character of some token's
+    vocabulary string (a character is at least one byte), so a token covers at most as many
+    characters as its longest vocabulary string; Unicode normalization composes at most 4 code
+    points into one. Anything else (a normalizer that replaces or strips, a pre-tokenizer that drops
+    characters, unknown tokens fused into one) can make one token cover any number: no bound then.
+    """
+    get_vocab = getattr(tokenizer, "get_vocab", None)
+    normalizer = getattr(tokenizer, "normalizer", None)
+    if get_vocab is None or getattr(getattr(tokenizer, "model", None), "fuse_unk", False):
+        return None
+    if not _keeps_every_byte(getattr(tokenizer, "pre_tokenizer", None)):
+        return None
+    unicode_forms = (normalizers.NFC, normalizers.NFD, normalizers.NFKC, normalizers.NFKD)
+    if normalizer is not None and not isinstance(normalizer, unicode_forms):
+        return None
+    longest = max(map(len, get_vocab(with_added_tokens=True)), default=0)
+    return max_model_len * longest * (1 if normalizer is None else 4) if longest else None
+
+
+def _keeps_every_byte(pre_tokenizer) -> bool:
+    """A ByteLevel pre-tokenizer, alone or after Splits that keep what they split on (Qwen's, GPT's)."""
+    spelled = repr(pre_tokenizer)
+    kinds = set(re.findall(r"([A-Za-z]+)\(", spelled))
+    known = {"ByteLevel", "Sequence", "Split", "Regex", "String"}
+    return "ByteLevel" in kinds and kinds <= known and "Removed" not in spelled
 
 
 def _prompt_tokens(jobs: list[_Job]) -> int:

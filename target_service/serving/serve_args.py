@@ -32,7 +32,9 @@ class ServeArgs(BaseModel):
     max_num_seqs: int = Field(64, ge=1)
     max_model_len: int | None = Field(None, ge=2)
     kv_cache_memory: str | None = None
-    max_waiting: int = Field(256, ge=0)  # requests queued past this get 429
+    # requests queued past this get 429; one request's choices (prompts x n) past it get 400, since no
+    # wait would let them in
+    max_waiting: int = Field(256, ge=1)
     api_key_file: str | None = None
     admin_token_file: str | None = None
     served_model_name: str | None = None

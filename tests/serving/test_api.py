@@ -120,12 +120,12 @@ def test_every_refusal_is_openai_shaped_and_changes_nothing(served):
             await client(app, key="wrong").completions.create(model="dflash-demo", prompt="x")
         with pytest.raises(openai.NotFoundError):
             await api.completions.create(model="gpt-4", prompt="x")
-        replica.async_engine.max_waiting = 0
-        try:
+        queue = type(replica.async_engine)
+        full = property(lambda engine: engine.max_waiting)  # the queue, as if every place were taken
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(queue, "num_waiting", full)
             with pytest.raises(openai.RateLimitError) as busy:
                 await api.completions.create(model="dflash-demo", prompt="x", max_tokens=2)
-        finally:
-            replica.async_engine.max_waiting = 256
         assert busy.value.response.headers["retry-after"] == "1"
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as raw:
             garbled = await raw.post(

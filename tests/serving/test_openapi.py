@@ -1,0 +1,206 @@
+"""The OpenAPI schema served at /openapi.json and /docs is generated from the pydantic models that
+parse the requests, and true to them: each request body in it equals its model's
+`model_json_schema()`; a body the schema allows is one the model accepts and the other way round
+(on random bodies, valid and one mutation away); and random bodies made from the served schema, as
+schemathesis makes them, never get a 5xx, always get a declared status, and every error is
+OpenAI-shaped."""
+
+import json
+
+import jsonschema
+import pytest
+from fake_engine import EXPLODE, assert_openai_error, call, fake_app
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+from json_schema_strategy import SchemaBodies
+
+from target_service.serving.api import request_schemas
+from target_service.serving.api_errors import ApiError
+from target_service.serving.openai_protocol import ChatCompletionRequest, CompletionRequest
+
+ROUTES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest}
+REF = "#/components/schemas/{}"
+# JSON Schema 2020-12's keywords (core, applicators, validation, metadata) the schema may use
+JSON_SCHEMA_KEYWORDS = {
+    "$ref", "$defs", "anyOf", "allOf", "oneOf", "not", "if", "then", "else", "items", "prefixItems",
+    "properties", "additionalProperties", "type", "enum", "const", "minimum", "maximum",
+    "exclusiveMinimum", "exclusiveMaximum", "minLength", "maxLength", "pattern", "minItems",
+    "maxItems", "required", "title", "description", "default", "format", "examples",
+}
+SLOW_IS_FINE = [HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.data_too_large]
+FAST = settings(deadline=None, database=None, suppress_health_check=SLOW_IS_FINE)
+
+
+@pytest.fixture(scope="module")
+def document():
+    app, _ = fake_app()
+    response = call(app, "GET", "/openapi.json")
+    assert response.status_code == 200
+    return response.json()
+
+
+def inline(schema, root):
+    """`schema` with every "#/..." reference replaced by what it points to in `root`."""
+    if isinstance(schema, list):
+        return [inline(part, root) for part in schema]
+    if not isinstance(schema, dict):
+        return schema
+    if "$ref" in schema:
+        target = root
+        for part in schema["$ref"].removeprefix("#/").split("/"):
+            target = target[part]
+        return inline(target, root)
+    return {key: inline(value, root) for key, value in schema.items() if key != "$defs"}
+
+
+def subschemas(schema):
+    """Every schema object inside `schema` (properties' values, items, the branches of anyOf, ...)."""
+    yield schema
+    for key in ("properties", "$defs"):
+        for part in schema.get(key, {}).values():
+            yield from subschemas(part)
+    for key in ("anyOf", "allOf", "oneOf", "prefixItems"):
+        for part in schema.get(key, []):
+            yield from subschemas(part)
+    for key in ("items", "additionalProperties", "not", "if", "then", "else"):
+        if isinstance(schema.get(key), dict):
+            yield from subschemas(schema[key])
+
+
+# ---- the schema is the models' ------------------------------------------------------------------
+
+
+def test_openapi_and_docs_are_served_without_an_api_key():
+    app, _ = fake_app(api_key="k")
+    schema = call(app, "GET", "/openapi.json")
+    assert schema.status_code == 200 and schema.json()["openapi"].startswith("3.1")
+    docs = call(app, "GET", "/docs")
+    assert docs.status_code == 200 and "/openapi.json" in docs.text and "swagger" in docs.text.lower()
+    refused = call(app, "POST", "/v1/completions", json={"prompt": "x"})
+    assert_openai_error(refused, 401, code="invalid_api_key")
+
+
+@pytest.mark.parametrize(("path", "model"), ROUTES.items())
+def test_each_request_body_in_the_schema_is_its_model_s_json_schema(document, path, model):
+    body = document["paths"][path]["post"]["requestBody"]
+    assert body["required"] is True
+    served = body["content"]["application/json"]["schema"]
+    assert served == {"$ref": REF.format(model.__name__)}
+    own = model.model_json_schema()
+    assert inline(served, document) == inline(own, own)
+    components = document["components"]["schemas"]
+    for name, part in request_schemas([model]).items():  # and verbatim, reference by reference
+        assert components[name] == part
+
+
+@pytest.mark.parametrize("model", ROUTES.values())
+def test_every_keyword_of_a_request_schema_is_json_schema_s(model):
+    """pydantic writes a bound it cannot place as "ge"/"le", which JSON Schema ignores: none here."""
+    for schema in subschemas(model.model_json_schema()):
+        assert set(schema) <= JSON_SCHEMA_KEYWORDS, (set(schema) - JSON_SCHEMA_KEYWORDS, schema)
+
+
+def test_the_schema_states_the_limits_and_the_strict_types(document):
+    properties = inline(document["components"]["schemas"]["CompletionRequest"], document)["properties"]
+    n = properties["n"]["anyOf"][0]
+    assert n == {"type": "integer", "minimum": 1, "maximum": 128}
+    assert properties["echo"]["anyOf"] == [{"enum": [False]}, {"type": "null"}]  # refused unless false
+    assert properties["stream"]["anyOf"] == [{"type": "boolean"}, {"type": "null"}]
+    assert properties["max_tokens"]["anyOf"][0] == {"type": "integer", "minimum": 1}
+    assert properties["top_p"]["anyOf"][0] == {"type": "number", "exclusiveMinimum": 0.0, "maximum": 1.0}
+
+
+def test_each_route_declares_its_answers(document):
+    for path in ROUTES:
+        responses = document["paths"][path]["post"]["responses"]
+        assert {"200", "400", "401", "404", "413", "429", "500", "503"} <= set(responses)
+        assert set(responses["200"]["content"]) == {"application/json", "text/event-stream"}
+        event = responses["200"]["content"]["text/event-stream"]["schema"]  # one event, on OpenAPI 3.1
+        assert event["type"] == "object" and event["required"] == ["data"]
+        error = responses["400"]["content"]["application/json"]["schema"]
+        assert error == {"$ref": REF.format("ErrorResponse")}
+
+
+# ---- true to the models: the schema allows exactly what the model accepts -----------------------
+
+
+def accepts(model, body) -> bool:
+    try:
+        model.from_body(body)
+    except ApiError as error:
+        assert error.status == 400
+        return False
+    return True
+
+
+def max_tokens_disagree(body) -> bool:
+    """The one rule the schema cannot state (it compares two fields)."""
+    return (isinstance(body, dict) and body.get("max_tokens") is not None
+            and body.get("max_completion_tokens") is not None
+            and body["max_tokens"] != body["max_completion_tokens"])
+
+
+@pytest.mark.parametrize(("path", "model"), ROUTES.items())
+def test_a_body_the_schema_allows_is_one_the_model_accepts_and_the_other_way_round(document, path, model):
+    bodies = SchemaBodies(document)
+    ref = REF.format(model.__name__)
+    validator = bodies.validator(ref)
+
+    @settings(FAST, max_examples=300)
+    @given(st.one_of(bodies.valid_bodies(ref), bodies.mutated_bodies(ref)))
+    def agree(body):
+        if max_tokens_disagree(body):
+            assert not accepts(model, body)
+            return
+        assert validator.is_valid(body) == accepts(model, body), body
+
+    agree()
+
+
+# ---- schemathesis-style: random bodies from the served schema never get a 5xx -------------------
+
+
+@pytest.mark.parametrize("path", ROUTES)
+def test_random_bodies_from_the_served_schema_never_get_a_5xx(document, path):
+    bodies = SchemaBodies(document)
+    ref = document["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+    responses = document["paths"][path]["post"]["responses"]
+    answer_schema = responses["200"]["content"]["application/json"]["schema"]
+    answer = jsonschema.Draft202012Validator({**answer_schema, "components": document["components"]})
+    error = jsonschema.Draft202012Validator({"$ref": REF.format("ErrorResponse"),
+                                             "components": document["components"]})
+    app, _ = fake_app()
+    valid = bodies.valid_bodies(ref).map(served_model)
+
+    @settings(FAST, max_examples=250)
+    @given(st.one_of(valid, bodies.mutated_bodies(ref)))
+    def never_5xx(body):
+        response = call(app, "POST", path, content=json.dumps(body))
+        event(f"status {response.status_code}")  # the mix, with --hypothesis-show-statistics
+        assert response.status_code < 500, (body, response.text[:300])
+        assert str(response.status_code) in responses, (body, response.status_code)
+        if response.status_code != 200:
+            assert error.is_valid(response.json()), response.text[:300]
+        elif response.headers["content-type"].startswith("text/event-stream"):
+            events = [event.removeprefix("data: ") for event in response.text.split("\n\n") if event]
+            assert events[-1] == "[DONE]" and all(json.loads(event) for event in events[:-1])
+        else:
+            assert answer.is_valid(response.json()), response.text[:300]
+
+    never_5xx()
+
+
+def served_model(body):
+    """Most generated bodies name a random model (404): half of them get the served one, so the
+    rest of the body is exercised too."""
+    if isinstance(body, dict) and hash(json.dumps(body, sort_keys=True)) % 2:
+        return {**body, "model": "fake"}
+    return body
+
+
+def test_a_body_the_server_fails_on_is_an_openai_shaped_500_not_plain_text():
+    app, _ = fake_app()
+    for stream in (False, True):
+        response = call(app, "POST", "/v1/completions", json={"prompt": EXPLODE, "stream": stream})
+        error = assert_openai_error(response, 500)
+        assert "RuntimeError" in error["message"]
