@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
-from engine_helpers import make_pair, random_prompts
+from engine_helpers import random_prompts
 from test_ray_services import VOCAB, WAIT_S, assert_pool_drains, greedy, reference, start_trio, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray"), pytest.mark.usefixtures("ray_machine")]
@@ -29,23 +29,6 @@ SETTINGS = dict(device="cpu", dtype="float32", kv_cache_memory="2MiB", tokens_pe
 MAX_TOKENS = 300
 KILLS = ("sigkill", "ray.kill", "ray.kill, no restart")
 ROUND_S = 3.0  # about one round of 4 x 300 tokens on two shared CPU cores: kill moments fall inside it
-
-
-@pytest.fixture(scope="module")
-def ray_local(ray_machine):
-    import ray
-
-    from target_service.assembly.ray_runtime import start_ray
-
-    started = start_ray(None, num_cpus=4)
-    yield ray
-    if started:
-        ray.shutdown()
-
-
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    return make_pair(tmp_path_factory.mktemp("pair"))
 
 
 @pytest.fixture(scope="module")

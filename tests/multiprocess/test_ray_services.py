@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_helpers import make_pair, random_prompts
+from engine_helpers import random_prompts
 
 from target_service.engine.sampling_params import SamplingParams
 from target_service.llm import LLM
@@ -27,23 +27,6 @@ VOCAB = 160
 SETTINGS = dict(device="cpu", dtype="float32", kv_cache_memory="2MiB", tokens_per_block=16, max_num_seqs=6,
                 max_model_len=256)
 WAIT_S = 120
-
-
-@pytest.fixture(scope="module")
-def ray_local(ray_machine):
-    import ray
-
-    from target_service.assembly.ray_runtime import start_ray
-
-    started = start_ray(None, num_cpus=4)
-    yield ray
-    if started:
-        ray.shutdown()
-
-
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    return make_pair(tmp_path_factory.mktemp("pair"))
 
 
 _replicas = iter(range(100))
