@@ -1,8 +1,9 @@
-"""The OpenAI-compatible API as vLLM serves it: request, response and error bodies, engine-free.
+"""The OpenAI-compatible API's request bodies as vLLM serves them, engine-free (the responses are
+`openai_responses.py`'s).
 
 The HTTP layer parses a body with `CompletionRequest.from_body` / `ChatCompletionRequest.from_body`,
 turns it into one `SamplingParams` per choice with `to_sampling_params`, and answers with the
-response models below; every refusal is an `ApiError`, which carries its status, headers and
+response models of `openai_responses`; every refusal is an `ApiError`, which carries its status, headers and
 OpenAI-shaped body. Field names are the API's own (OpenAI's; vLLM's for the extensions top_k,
 ignore_eos, stop_token_ids and add_generation_prompt), so `model_dump()` is the wire format.
 
@@ -29,8 +30,6 @@ Limits, checked here before anything is tokenized, expanded or queued (each a 40
 from __future__ import annotations
 
 import json
-import time
-import uuid
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
@@ -39,7 +38,6 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationError,
-    computed_field,
     field_validator,
 )
 
@@ -347,126 +345,3 @@ class ChatCompletionRequest(_SamplingRequest):
         if self.max_completion_tokens is not None:
             return "max_completion_tokens", self.max_completion_tokens
         return "max_tokens", self.max_tokens
-
-
-# ---- responses ----------------------------------------------------------------------------------
-
-# The engine's reasons. "abort" (the request was cancelled) is vLLM's: the openai package's types
-# lack it, and its client, which does not validate by default, passes it through as a string.
-FinishReason = Literal["stop", "length", "abort"] | None
-
-
-def random_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
-
-
-def _now() -> int:
-    return int(time.time())
-
-
-class UsageInfo(BaseModel):
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-
-    @computed_field
-    @property
-    def total_tokens(self) -> int:
-        return self.prompt_tokens + self.completion_tokens
-
-
-class CompletionChoice(BaseModel):
-    """One choice of a response, or its increment in a stream chunk (finish_reason null until the last)."""
-
-    index: int
-    text: str
-    logprobs: None = None
-    finish_reason: FinishReason = None
-
-
-class CompletionResponse(BaseModel):
-    id: str = Field(default_factory=lambda: random_id("cmpl"))
-    object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=_now)
-    model: str
-    choices: list[CompletionChoice]
-    usage: UsageInfo
-
-
-class CompletionStreamChunk(BaseModel):
-    """One SSE event of a streamed completion; every chunk of a stream repeats its id and created."""
-
-    id: str = Field(default_factory=lambda: random_id("cmpl"))
-    object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=_now)
-    model: str
-    choices: list[CompletionChoice]
-    usage: UsageInfo | None = None  # only on the last chunk, with no choices, when include_usage
-
-
-class AssistantMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
-    content: str
-
-
-class ChatCompletionChoice(BaseModel):
-    index: int
-    message: AssistantMessage
-    logprobs: None = None
-    finish_reason: FinishReason = None
-
-
-class ChatCompletionResponse(BaseModel):
-    id: str = Field(default_factory=lambda: random_id("chatcmpl"))
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=_now)
-    model: str
-    choices: list[ChatCompletionChoice]
-    usage: UsageInfo
-
-
-class DeltaMessage(BaseModel):
-    """A choice's increment: the first chunk carries role "assistant", later ones content."""
-
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-
-
-class ChatCompletionStreamChoice(BaseModel):
-    index: int
-    delta: DeltaMessage
-    logprobs: None = None
-    finish_reason: FinishReason = None
-
-
-class ChatCompletionStreamChunk(BaseModel):
-    id: str = Field(default_factory=lambda: random_id("chatcmpl"))
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int = Field(default_factory=_now)
-    model: str
-    choices: list[ChatCompletionStreamChoice]
-    usage: UsageInfo | None = None  # only on the last chunk, with no choices, when include_usage
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int = Field(default_factory=_now)
-    owned_by: str = "dflash-serve"
-    max_model_len: int
-
-
-class ModelList(BaseModel):
-    """GET /v1/models."""
-
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
-
-
-# ---- server-sent events -------------------------------------------------------------------------
-
-SSE_DONE = "data: [DONE]\n\n"  # the OpenAI stream's last event
-
-
-def sse_event(chunk: BaseModel) -> str:
-    """One server-sent event carrying `chunk` as JSON (a stream chunk, or an ErrorResponse mid-stream)."""
-    return f"data: {chunk.model_dump_json()}\n\n"

@@ -20,16 +20,15 @@ from tokenizers import normalizers
 from target_service.engine.engine_client import EngineClient, EngineDead, QueueFull
 from target_service.serving.api_errors import ApiError
 from target_service.serving.chat_template import load_chat_template
-from target_service.serving.openai_protocol import (
+from target_service.serving.openai_protocol import ChatCompletionRequest, CompletionRequest
+from target_service.serving.openai_responses import (
     SSE_DONE,
     AssistantMessage,
     ChatCompletionChoice,
-    ChatCompletionRequest,
     ChatCompletionResponse,
     ChatCompletionStreamChoice,
     ChatCompletionStreamChunk,
     CompletionChoice,
-    CompletionRequest,
     CompletionResponse,
     CompletionStreamChunk,
     DeltaMessage,

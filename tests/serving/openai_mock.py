@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from target_service.serving.openai_protocol import (
+from target_service.serving.openai_responses import (
     SSE_DONE,
     ChatCompletionResponse,
     CompletionResponse,

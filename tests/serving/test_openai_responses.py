@@ -14,7 +14,7 @@ from openai_mock import (
 )
 
 from target_service.serving.api_errors import ApiError
-from target_service.serving.openai_protocol import (
+from target_service.serving.openai_responses import (
     AssistantMessage,
     ChatCompletionChoice,
     ChatCompletionResponse,

@@ -15,7 +15,6 @@ from hypothesis import strategies as st
 
 from target_service.assembly.demo import demo_target_path
 from target_service.runner.checkpoint import open_target_checkpoint
-from target_service.serving.api import MAX_BODY_BYTES, MAX_JSON_DEPTH
 from target_service.serving.api_errors import ApiError
 from target_service.serving.openai_protocol import (
     MAX_N,
@@ -27,6 +26,7 @@ from target_service.serving.openai_protocol import (
     CompletionRequest,
 )
 from target_service.serving.openai_server import max_prompt_chars
+from target_service.serving.request_body import MAX_BODY_BYTES, MAX_JSON_DEPTH
 
 DEMO_TOKENIZER = open_target_checkpoint(demo_target_path()).tokenizer
 
