@@ -104,7 +104,9 @@ def test_prefix_hits_admitted_while_the_drafter_is_gone_complete_unchanged(ray_l
     opened them with num_context = their cached tokens, and the engine must never tell it less (the
     pool refused "lengths cannot shrink" and the engine died with every request)."""
     prompts, expected = prompts_and_expected
-    services = start_trio(*pair, **SETTINGS)
+    # room for all four at once: a preemption (which a slow machine's timing can bring in a small
+    # pool) would recompute through another path than the prefix hits this test is about
+    services = start_trio(*pair, **{**SETTINGS, "kv_cache_memory": "8MiB"})
     try:
         assert generate_round(services, prompts) == expected
         pid = drafter_pid(services)
