@@ -164,7 +164,7 @@ def leftover_shm(root_pids: list[int]) -> list[str]:
 
 
 def _git(*args: str) -> str:
-    return subprocess.run(["git", *args], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+    return subprocess.run(["git", *args], capture_output=True, text=True, cwd=ROOT).stdout.rstrip("\n")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -208,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     doc["server"]["exit_status"] = server.process.returncode
     doc = {"name": out.stem, "device": client_machine(), "command": "python -m bench.soak " + " ".join(argv),
            "commit": _git("rev-parse", "--short", "HEAD"),
-           "uncommitted_changes": _git("status", "--porcelain", "--untracked-files=no").splitlines(),
+           "uncommitted_changes": _git("status", "--porcelain", "--", "*.py").splitlines(),
            "date": date.isoformat(timespec="minutes"), "server_flags": [*flags, "--replicas",
                                                                        str(args.replicas)], **doc}
     out.parent.mkdir(parents=True, exist_ok=True)
