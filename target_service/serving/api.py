@@ -180,7 +180,7 @@ def _authorized(holder: ServerHolder, request: Request) -> OpenAIServer:
 async def _answer(request: Request, body, whole, stream) -> Response:
     """An SSE stream when the body asks for one, else the whole response as JSON."""
     if body.stream:
-        return _sse(stream(body))
+        return _sse(await stream(body))
     return JSONResponse((await _until_disconnected(request, whole(body))).model_dump())
 
 

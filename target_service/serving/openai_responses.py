@@ -10,8 +10,10 @@ from typing import Literal
 
 from pydantic import BaseModel, Field, computed_field
 
-# The engine's reasons. "abort" (the request was cancelled) is vLLM's: the openai package's types
-# lack it, and its client, which does not validate by default, passes it through as a string.
+# The reasons a response names. "abort" (the request was cancelled) is vLLM's: the openai package's
+# types lack it, and its client, which does not validate by default, passes it through as a string.
+# The engine's "error" never reaches a choice: the server answers it with an error (500, or an error
+# event in a stream).
 FinishReason = Literal["stop", "length", "abort"] | None
 
 

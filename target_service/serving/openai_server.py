@@ -4,11 +4,20 @@ It turns a validated request into engine requests (prompts tokenized, chats rend
 checkpoint's template, one `SamplingParams` per choice), runs them on an `EngineClient`, and turns
 their deltas into responses or stream chunks. It knows nothing of HTTP: the routes (`api.py`) parse,
 authenticate and call it; errors are `ApiError`s the routes send as they are.
+
+Tokenizing runs on a worker thread (a long prompt takes about a second a MiB), so the event loop
+keeps streaming the other requests meanwhile.
+
+A request the engine failed alone (finish reason "error") is a 500 for it alone, or in a stream an
+error event and `[DONE]`; the other requests run on. A drain (`drain`, or its parts for a caller
+that paces it) refuses new requests with 503, waits for those in flight, and when its time is up
+stops them with an answer: 503, or an error event and `[DONE]` (`InFlight`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 import time
 from collections.abc import AsyncIterator
@@ -20,6 +29,7 @@ from tokenizers import normalizers
 from target_service.engine.engine_client import EngineClient, EngineDead, QueueFull
 from target_service.serving.api_errors import ApiError
 from target_service.serving.chat_template import load_chat_template
+from target_service.serving.in_flight import InFlight
 from target_service.serving.openai_protocol import ChatCompletionRequest, CompletionRequest
 from target_service.serving.openai_responses import (
     SSE_DONE,
@@ -39,7 +49,13 @@ from target_service.serving.openai_responses import (
     sse_event,
 )
 
+logger = logging.getLogger(__name__)
+
 RETRY_AFTER_S = 1
+DRAIN_POLL_S = 0.05
+STOP_GRACE_S = 2.0  # how long stopped requests get to send their answers
+FAILED_ALONE = ("the engine failed on this request (the server log has the details); the server's other "
+                "requests were not affected")
 
 
 @dataclass
@@ -71,6 +87,7 @@ class OpenAIServer:
         self.metrics = metrics
         self.api_key = api_key
         self.draining = False
+        self.in_flight = InFlight()
         self.max_prompt_chars = max_prompt_chars(tokenizer, max_model_len)
 
     # ---- reading ----------------------------------------------------------------------------------
@@ -82,34 +99,61 @@ class OpenAIServer:
     def is_healthy(self) -> bool:
         return self.engine.is_healthy and not self.draining
 
+    # ---- draining ---------------------------------------------------------------------------------
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self.in_flight)
+
+    def begin_drain(self) -> int:
+        """Refuse new requests (503) from now on; returns how many are in flight."""
+        self.draining = True
+        return len(self.in_flight)
+
+    def stop_in_flight(self, reason: str) -> int:
+        """End every request still in flight with `reason` (503, or an error event and [DONE])."""
+        return self.in_flight.stop_all(reason)
+
+    def drain(self, timeout_s: float) -> int:
+        """Refuse new requests, wait up to `timeout_s` for those in flight, then stop the rest and
+        give them a moment to answer; returns how many were stopped. Blocks: call it from another
+        thread than the event loop's."""
+        self.begin_drain()
+        _wait_until_empty(self.in_flight, timeout_s)
+        if not len(self.in_flight):
+            return 0
+        stopped = self.stop_in_flight(drain_expired(timeout_s))
+        _wait_until_empty(self.in_flight, STOP_GRACE_S)
+        return stopped
+
     # ---- requests ---------------------------------------------------------------------------------
 
-    def completion_jobs(self, request: CompletionRequest) -> list[_Job]:
+    async def completion_jobs(self, request: CompletionRequest) -> list[_Job]:
         self._check_model(request.model)
         prompts = request.prompts()
         self._check_choices(len(prompts), request.n or 1)
         jobs = []
         for number, prompt in enumerate(prompts):
-            ids = self._encode(prompt, "prompt")
+            ids = await self._encode(prompt, "prompt")
             for j, params in enumerate(request.to_sampling_params(len(ids), self.max_model_len)):
                 jobs.append(_Job(number * (request.n or 1) + j, ids, params))
         return jobs
 
-    def chat_jobs(self, request: ChatCompletionRequest) -> list[_Job]:
+    async def chat_jobs(self, request: ChatCompletionRequest) -> list[_Job]:
         self._check_model(request.model)
         self._check_choices(1, request.n or 1)
         try:
             text = load_chat_template(self.target_dir).render(request.messages, request.add_generation_prompt)
         except ValueError as error:
             raise ApiError.bad_request(str(error), "messages") from None
-        ids = self._encode(text, "messages", add_special_tokens=False)
+        ids = await self._encode(text, "messages", add_special_tokens=False)
         return [
             _Job(j, ids, params)
             for j, params in enumerate(request.to_sampling_params(len(ids), self.max_model_len))
         ]
 
     async def completion(self, request: CompletionRequest) -> CompletionResponse:
-        jobs = self._preflight(self.completion_jobs(request))
+        jobs = self._preflight(await self.completion_jobs(request))
         results = await self._run_all(jobs)
         choices = [
             CompletionChoice(index=job.index, text=text, finish_reason=reason)
@@ -122,7 +166,7 @@ class OpenAIServer:
         )
 
     async def chat(self, request: ChatCompletionRequest) -> ChatCompletionResponse:
-        jobs = self._preflight(self.chat_jobs(request))
+        jobs = self._preflight(await self.chat_jobs(request))
         results = await self._run_all(jobs)
         choices = [
             ChatCompletionChoice(
@@ -134,14 +178,14 @@ class OpenAIServer:
             model=self.model_name, choices=choices, usage=self._usage(jobs, results)
         )
 
-    def completion_stream(self, request: CompletionRequest) -> AsyncIterator[str]:
+    async def completion_stream(self, request: CompletionRequest) -> AsyncIterator[str]:
         """SSE events of a streamed completion. Everything that can refuse the request runs here,
         before the first event, so a refusal is an HTTP error status, not an event mid-stream."""
-        jobs = self._preflight(self.completion_jobs(request))
+        jobs = self._preflight(await self.completion_jobs(request))
         return self._completion_events(jobs, request.include_usage)
 
-    def chat_stream(self, request: ChatCompletionRequest) -> AsyncIterator[str]:
-        jobs = self._preflight(self.chat_jobs(request))
+    async def chat_stream(self, request: ChatCompletionRequest) -> AsyncIterator[str]:
+        jobs = self._preflight(await self.chat_jobs(request))
         return self._chat_events(jobs, request.include_usage)
 
     async def _completion_events(self, jobs: list[_Job], include_usage: bool) -> AsyncIterator[str]:
@@ -202,7 +246,7 @@ class OpenAIServer:
                 f"this server queues at most {capacity} at a time (--max-waiting): split the request",
                 "n" if n > 1 else "prompt")
 
-    def _encode(self, prompt, field: str, *, add_special_tokens: bool = True) -> list[int]:
+    async def _encode(self, prompt, field: str, *, add_special_tokens: bool = True) -> list[int]:
         if isinstance(prompt, list):
             return list(prompt)
         if self.tokenizer is None:
@@ -212,7 +256,10 @@ class OpenAIServer:
             raise ApiError.bad_request(
                 f"{field}: the prompt has {len(prompt)} characters, more than {self.max_model_len} tokens "
                 f"(this model's maximum context length) can hold", field)
-        return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens).ids
+        # encode_batch lets go of the GIL while it works (encode does not), so the loop runs meanwhile
+        encoded = await asyncio.to_thread(self.tokenizer.encode_batch, [prompt],
+                                          add_special_tokens=add_special_tokens)
+        return encoded[0].ids
 
     def _preflight(self, jobs: list[_Job]) -> list[_Job]:
         """Refuse now what would fail later: shutting down, a full queue, a prompt the pool cannot hold."""
@@ -244,15 +291,19 @@ class OpenAIServer:
                 last = delta
         except (QueueFull, EngineDead, ValueError) as error:
             raise _as_api_error(error) from None
-        except asyncio.CancelledError:  # the client left: counted as an aborted request
+        except asyncio.CancelledError:  # the client left, or the server stopped it: an aborted request
             self._observe(started, first, last, aborted=True)
+            if self.in_flight.stopped:
+                raise ApiError.unavailable(RETRY_AFTER_S, self.in_flight.stop_reason) from None
             raise
         self._observe(started, first, last)
+        if last.finish_reason == "error":
+            raise ApiError.internal(FAILED_ALONE)
         return "".join(text), last.finish_reason, last.num_output_tokens
 
     async def _run_all(self, jobs: list[_Job]) -> list[tuple[str, str | None, int]]:
         """Every choice concurrently; if one fails (or the client leaves), the others are cancelled."""
-        tasks = [asyncio.ensure_future(self._run_one(job)) for job in jobs]
+        tasks = [self.in_flight.start(self._run_one(job)) for job in jobs]
         try:
             return list(await asyncio.gather(*tasks))
         finally:
@@ -264,6 +315,9 @@ class OpenAIServer:
         events: asyncio.Queue = asyncio.Queue()
         totals = {}
 
+        def fail(error: ApiError) -> None:
+            events.put_nowait(sse_event(error.to_response()))
+
         async def pump(job: _Job):
             started, first, last = time.perf_counter(), None, None
             try:
@@ -271,19 +325,29 @@ class OpenAIServer:
                     if first is None and delta.token_ids:
                         first = time.perf_counter()
                     last = delta
-                    if delta.text or delta.finished:
+                    if delta.finish_reason == "error":  # what it streamed stands; it ends in an error
+                        if delta.text:
+                            events.put_nowait(sse_event(chunk(job.index, delta.text, None)))
+                        fail(ApiError.internal(FAILED_ALONE))
+                    elif delta.text or delta.finished:
                         events.put_nowait(sse_event(chunk(job.index, delta.text, delta.finish_reason)))
                 self._observe(started, first, last)
                 totals[job.index] = last.num_output_tokens
             except (QueueFull, EngineDead, ValueError) as error:
-                events.put_nowait(sse_event(_as_api_error(error).to_response()))
-            except asyncio.CancelledError:  # the client left mid-stream
+                fail(_as_api_error(error))
+            except asyncio.CancelledError:  # the client left mid-stream, or the server stopped it
                 self._observe(started, first, last, aborted=True)
-                raise
+                if not self.in_flight.stopped:
+                    raise
+                fail(ApiError.unavailable(RETRY_AFTER_S, self.in_flight.stop_reason))
+            except Exception as error:  # a bug: this stream says so and ends; the others go on
+                logger.exception("a stream's request failed")
+                fail(ApiError.internal(f"the server failed on this request ({type(error).__name__}); "
+                                       "the server log has the details"))
             finally:
                 events.put_nowait(None)
 
-        tasks = [asyncio.ensure_future(pump(job)) for job in jobs]
+        tasks = [self.in_flight.start(pump(job)) for job in jobs]
         try:
             done = 0
             while done < len(tasks):
@@ -347,6 +411,18 @@ def _keeps_every_byte(pre_tokenizer) -> bool:
     kinds = set(re.findall(r"([A-Za-z]+)\(", spelled))
     known = {"ByteLevel", "Sequence", "Split", "Regex", "String"}
     return "ByteLevel" in kinds and kinds <= known and "Removed" not in spelled
+
+
+def drain_expired(timeout_s: float) -> str:
+    """What a request still running when a drain's time is up is told."""
+    return (f"the server is shutting down and its drain time ({timeout_s:g} s) ran out before this "
+            "request finished; retry it")
+
+
+def _wait_until_empty(in_flight: InFlight, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while len(in_flight) and time.monotonic() < deadline:
+        time.sleep(DRAIN_POLL_S)
 
 
 def _prompt_tokens(jobs: list[_Job]) -> int:

@@ -32,6 +32,9 @@ class FakeTokenizer:
             raise RuntimeError("the tokenizer fell over")
         return self.Encoding([ord(c) % VOCAB for c in text])
 
+    def encode_batch(self, texts: list[str], add_special_tokens: bool = True) -> list[Encoding]:
+        return [self.encode(text, add_special_tokens) for text in texts]
+
 
 @dataclass
 class FakeEngine:

@@ -65,7 +65,7 @@ def test_a_fault_before_the_first_byte_is_a_logged_openai_500_and_the_server_ser
 
 
 class BreaksMidStream(OpenAIServer):
-    def completion_stream(self, request):
+    async def completion_stream(self, request):
         async def events():
             yield "data: {}\n\n"
             raise RuntimeError("a bug, mid-stream")

@@ -323,9 +323,9 @@ class CountingTokenizer:
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
-    def encode(self, text, add_special_tokens=True):
-        self.calls += 1
-        return self.inner.encode(text, add_special_tokens=add_special_tokens)
+    def encode_batch(self, texts, add_special_tokens=True):
+        self.calls += len(texts)
+        return self.inner.encode_batch(texts, add_special_tokens=add_special_tokens)
 
 
 def test_a_text_longer_than_the_context_could_hold_is_refused_before_it_is_tokenized():
