@@ -1,8 +1,10 @@
 """`dflash serve`: the OpenAI-compatible server, as a Ray Serve application, in the foreground.
 
 It prints one ready line (the URL and a curl example) once every replica is ready, and on Ctrl-C or
-SIGTERM drains: the replicas finish the requests they hold, then the application and the Ray this
-command started stop. On a cluster it joined (--address) only its application is deleted.
+SIGTERM drains: new requests get 503, those in flight run for up to --drain-timeout seconds (a second
+signal cuts that short), then what still runs is stopped with an error its client can read (503, or
+an error event and [DONE] in a stream), and the Ray this command started stops; the exit status is
+0. On a cluster it joined (--address) only its application is deleted.
 """
 
 from __future__ import annotations
@@ -40,6 +42,9 @@ def register(subparsers) -> None:
     parser.add_argument("--max-model-len", type=int)
     parser.add_argument("--kv-cache-memory", help="pool budget per replica, e.g. 512MiB")
     parser.add_argument("--max-waiting", type=int, default=256, help="queued requests before 429")
+    parser.add_argument("--drain-timeout", dest="drain_timeout_s", type=float, metavar="SECONDS",
+                        help="on Ctrl-C or SIGTERM, how long requests in flight may run on before they "
+                             "are stopped with an error (default: 30; a second signal stops at once)")
     parser.add_argument("--api-key-file", help="file holding the API key clients must send (default: "
                                                "$DFLASH_API_KEY holds the key itself; neither: no key)")
     parser.add_argument("--admin-token-file", help="file holding the admin gRPC bearer token")
@@ -78,15 +83,25 @@ def run(args: argparse.Namespace) -> int:
     from target_service.serving import deploy
 
     settings = serve_args(args)
-    stop = threading.Event()
-    with deploy.serving(settings) as url:
+    stop, hurry = threading.Event(), threading.Event()
+    with deploy.serving(settings, hurry) as url:
         # after Ray's start: its core worker installs a failure handler for SIGTERM that aborts
         for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, lambda *_: stop.set())
+            signal.signal(sig, lambda *_: _on_signal(stop, hurry))
         example = json.dumps({"model": settings.model_name, "prompt": "def fibonacci(n):", "max_tokens": 32})
         print(f"dflash serve: ready at {url}/v1 (model {settings.model_name}, {settings.replicas} "
               f"replica(s)); try: curl {url}/v1/completions -H 'Content-Type: application/json' "
               f"-d '{example}'", flush=True)
         stop.wait()
-        print("dflash serve: draining in-flight requests, then stopping", flush=True)
+        print(f"dflash serve: stopping; requests in flight may run for {settings.drain_timeout_s:g} s "
+              "more (Ctrl-C again: stop them now)", flush=True)
+    print("dflash serve: stopped", flush=True)
     return 0
+
+
+def _on_signal(stop: threading.Event, hurry: threading.Event) -> None:
+    """The first Ctrl-C or SIGTERM drains; the next one stops the requests still in flight at once."""
+    if stop.is_set() and not hurry.is_set():
+        print("dflash serve: stopping the requests in flight now", flush=True)
+        hurry.set()
+    stop.set()

@@ -56,6 +56,19 @@ def start_ray(address: str | None, **init_kwargs) -> bool:
     return True
 
 
+def local_ray_alive() -> bool:
+    """False when this process started a local Ray whose GCS or raylet has died since (a signal sent
+    to the whole process group reaches them too): every Ray call would then wait a minute for the GCS
+    before failing. True otherwise (no local Ray, or a joined cluster: nothing here to look at)."""
+    import ray
+
+    node = getattr(ray._private.worker, "_global_node", None)  # no public view of the local processes
+    if node is None or not getattr(node, "head", False):
+        return True
+    dead = {kind for kind, _ in node.dead_processes()}
+    return not dead & {"gcs_server", "raylet"}
+
+
 def check_cluster_token(address: str) -> None:
     """Refuse, in one sentence, to join `address` without its token (Ray would start, then fail)."""
     if os.environ.get("RAY_AUTH_TOKEN"):

@@ -17,6 +17,15 @@ Ray on one machine binds loopback only (docs/architecture.md section 8): with no
 no RAY_ADDRESS) a local Ray is started for this command alone and stopped with it. On a cluster it
 joins, the command deploys its application (refusing when one of that name already runs there),
 and on leaving deletes only that application: Serve and the cluster go on, the driver disconnects.
+
+Stopping (`stop_serving`, paced by this process, not by Ray Serve): every replica refuses new
+requests (503) and the ones in flight run on for up to `drain_timeout_s` (or until `hurry` is set:
+a second signal); then the rest are stopped with an answer (503, or an error event and `[DONE]`)
+and the replicas release their engines, answering 503 from then on. A local Ray is then stopped
+whole, so its proxy never answers the gap between an application's deletion and its own end with
+404 (which clients do not retry): it answers 503 until its port closes. On a joined cluster the
+application is deleted. When Ray Serve itself stops a replica (a redeploy, a scale-down, KubeRay),
+it waits `drain_timeout_s` for the replica's requests, and the replica stops what is left.
 """
 
 from __future__ import annotations
@@ -24,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import threading
 import time
 from collections.abc import Iterator
 
@@ -33,6 +43,7 @@ from ray import serve
 from target_service.assembly import ray_runtime
 from target_service.assembly.ray_services import service_bundle
 from target_service.serving.api import create_app, holder_named
+from target_service.serving.openai_server import STOP_GRACE_S, drain_expired
 from target_service.serving.replica import Replica
 from target_service.serving.serve_args import ServeArgs
 
@@ -40,7 +51,11 @@ logger = logging.getLogger(__name__)
 
 APP_NAME = "dflash"
 DEPLOYMENT_NAME = "DFlashReplica"
-DRAIN_TIMEOUT_S = 60.0
+DRAIN_POLL_S = 0.2
+PROXY_FLUSH_S = 0.5  # the last answers leave the proxy
+RAY_ANSWER_S = 15.0  # past the drain, how long stopping may wait on Ray before it gives up on it
+STOPPED_AT_ONCE = ("the server was told to stop at once (a second signal) before this request finished; "
+                   "retry it")
 
 HOLDER = holder_named("dflash")
 APP = create_app(HOLDER)
@@ -65,6 +80,7 @@ class DFlashReplica:
     """The Ray Serve replica: builds one `Replica` and delegates; nothing else lives here."""
 
     def __init__(self, args: ServeArgs):
+        self.drain_timeout_s = args.drain_timeout_s
         context = serve.get_replica_context()
         rank = _rank(context)
         # the admin port counts replicas on this node (local rank): a pod's probes and the admin
@@ -74,28 +90,37 @@ class DFlashReplica:
         HOLDER.install(self.replica.server)
         logger.info("replica %d ready on node %s", rank, _node_id())
 
-    def drain(self, timeout_s: float = DRAIN_TIMEOUT_S) -> int:
-        """Refuse new requests (503) and wait for the running and waiting ones to finish; returns how
-        many were still in flight at the start. Called on every replica before the app is deleted."""
-        server = self.replica.server
-        server.draining = True
-        engine = server.engine
-        in_flight = engine.num_running + engine.num_waiting
-        deadline = time.monotonic() + timeout_s
-        while engine.num_running + engine.num_waiting and time.monotonic() < deadline:
-            time.sleep(0.05)
-        return in_flight
+    # the steps of `stop_serving`, called on every replica (Serve handle broadcasts)
+
+    def begin_drain(self) -> int:
+        """Refuse new requests (503) from now on; returns how many are in flight."""
+        return self.replica.server.begin_drain()
+
+    def in_flight(self) -> int:
+        return self.replica.server.num_in_flight
+
+    def stop_in_flight(self, reason: str) -> int:
+        """End what still runs with `reason` (503, or an error event and [DONE])."""
+        return self.replica.server.stop_in_flight(reason)
+
+    def close(self) -> None:
+        """Release the engine; the routes answer 503 from now on."""
+        HOLDER.clear()
+        self.replica.close(0.0)
 
     async def check_health(self) -> None:
         """Ray Serve's probe: a replica whose engine thread died is restarted."""
         if not self.replica.server.engine.is_healthy:
             raise RuntimeError("the engine thread stopped")
 
-    def __del__(self):  # graceful shutdown: Ray Serve has drained the requests it routed here
+    def __del__(self):
+        """Ray Serve's graceful stop (a redeploy, a scale-down): it waited drain_timeout_s for the
+        requests it routed here; what still runs is stopped with an answer, then the engine goes."""
         replica = getattr(self, "replica", None)
         if replica is not None:
-            replica.close(DRAIN_TIMEOUT_S)
+            replica.server.stop_in_flight(drain_expired(self.drain_timeout_s))
             HOLDER.clear()
+            replica.close(0.0)
 
 
 def _rank(context, which: str = "rank") -> int:
@@ -136,7 +161,7 @@ def replica_deployment(args: ServeArgs) -> serve.Deployment:
                            "resources": dict(args.replica_resources)},
         placement_group_bundles=replica_bundles(args), placement_group_strategy="STRICT_PACK",
         max_ongoing_requests=max(1, args.max_num_seqs + args.max_waiting),
-        graceful_shutdown_timeout_s=DRAIN_TIMEOUT_S, graceful_shutdown_wait_loop_s=0.5,
+        graceful_shutdown_timeout_s=args.drain_timeout_s + STOP_GRACE_S, graceful_shutdown_wait_loop_s=0.5,
         health_check_period_s=5.0)
 
 
@@ -153,22 +178,29 @@ def app_builder(config: dict):
 
 
 @contextlib.contextmanager
-def serving(args: ServeArgs) -> Iterator[str]:
+def serving(args: ServeArgs, hurry: threading.Event | None = None) -> Iterator[str]:
     """Serve `args` until the `with` block ends; yields the base URL once every replica is ready.
 
-    On the way out: every replica drains, the application is deleted, then what this process
-    started stops: a local Ray with its Serve; on a joined cluster nothing (the driver disconnects).
+    On the way out (`stop_serving`): the replicas drain for up to `args.drain_timeout_s`, or until
+    `hurry` is set, then what this process started stops.
     """
     started_ray = start_ray(args)
+    deployed = False
     try:
         url = start_serve(args)  # refuses a taken application name before deploying anything
-        try:
-            serve.run(build_application(args), name=APP_NAME, route_prefix="/", blocking=False)
-            yield url
-        finally:
-            delete_application()
+        deployed = True
+        serve.run(build_application(args), name=APP_NAME, route_prefix="/", blocking=False)
+        yield url
     finally:
-        stop_ray(started_ray)
+        hurry = hurry or threading.Event()
+        # Ray calls wait for its GCS, a minute each when it is going away too (one SIGTERM to every
+        # process: a process group, systemd's whole cgroup): each step gets a bounded time
+        handle = _bounded(replicas, RAY_ANSWER_S, "reach the replicas") if deployed else None
+        if handle is not None:
+            stop = functools.partial(stop_serving, handle, args.drain_timeout_s, hurry,
+                                     delete=not started_ray)
+            _bounded(stop, args.drain_timeout_s + STOP_GRACE_S + RAY_ANSWER_S, "drain the replicas")
+        _bounded(functools.partial(stop_ray, started_ray), RAY_ANSWER_S, "stop Ray")
 
 
 def start_ray(args: ServeArgs) -> bool:
@@ -194,24 +226,74 @@ def start_serve(args: ServeArgs) -> str:
     return f"http://{http.host}:{http.port}"
 
 
-def delete_application() -> None:
-    """Drain every replica (new requests get 503, running ones finish and their responses go out),
-    then delete this application, and only it."""
-    try:
-        handle = serve.get_deployment_handle(DEPLOYMENT_NAME, APP_NAME)
-        in_flight = handle.broadcast("drain").results()
-        logger.info("drained %d in-flight requests", sum(in_flight))
-        time.sleep(0.5)  # the last responses leave the proxy
-    except Exception as error:  # an app that never came up: nothing to drain
-        logger.warning("could not drain the replicas: %s", error)
-    serve.delete(APP_NAME)
+def replicas():
+    """A handle on this application's replicas, once they have answered (None: Ray is gone)."""
+    if not ray_runtime.local_ray_alive():
+        logger.warning("Ray stopped under this command (was it sent the signal too?): no drain")
+        return None
+    handle = serve.get_deployment_handle(DEPLOYMENT_NAME, APP_NAME)
+    handle.broadcast("in_flight").results()
+    return handle
+
+
+def stop_serving(handle, timeout_s: float, hurry: threading.Event, *, delete: bool) -> bool:
+    """Drain every replica, stop what is left, release the engines; with `delete`, then delete this
+    application, and only it (on a joined cluster; a local Ray is stopped whole instead)."""
+    stopped = drain(handle, timeout_s, hurry)
+    if stopped:
+        logger.warning("stopped %d requests still running when the drain ended", stopped)
+    handle.broadcast("close").results()
+    if delete:
+        serve.delete(APP_NAME)
+    return True
+
+
+def _bounded(step, timeout_s: float, what: str):
+    """`step()` on a daemon thread for up to `timeout_s`: its result, or None when it failed or is
+    still running (said in one line; stopping goes on without it)."""
+    failures, results = [], []
+
+    def run():
+        try:
+            results.append(step())
+        except Exception as error:
+            failures.append(error)
+
+    thread = threading.Thread(target=run, name=f"dflash-stop: {what}", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        logger.warning("could not %s within %g s: Ray does not answer (was it sent the signal too?); "
+                       "going on without it", what, timeout_s)
+    elif failures:
+        logger.warning("could not %s: %s", what, (str(failures[0]) or repr(failures[0])).splitlines()[0])
+    return results[0] if results else None
+
+
+def drain(handle, timeout_s: float, hurry: threading.Event) -> int:
+    """New requests get 503 from now on; those in flight run for up to `timeout_s` (until `hurry`),
+    then the rest are stopped with an answer. Returns how many were stopped."""
+    in_flight = sum(handle.broadcast("begin_drain").results())
+    if in_flight:
+        logger.warning("draining %d in-flight requests (up to %g s; a second signal stops at once)",
+                       in_flight, timeout_s)
+    deadline = time.monotonic() + timeout_s
+    while in_flight and not hurry.is_set() and time.monotonic() < deadline:
+        hurry.wait(DRAIN_POLL_S)
+        in_flight = sum(handle.broadcast("in_flight").results())
+    stopped = 0
+    if in_flight:
+        reason = STOPPED_AT_ONCE if hurry.is_set() else drain_expired(timeout_s)
+        stopped = sum(handle.broadcast("stop_in_flight", reason).results())
+        deadline = time.monotonic() + STOP_GRACE_S
+        while sum(handle.broadcast("in_flight").results()) and time.monotonic() < deadline:
+            time.sleep(DRAIN_POLL_S)
+    time.sleep(PROXY_FLUSH_S)
+    return stopped
 
 
 def stop_ray(started_ray: bool) -> None:
-    """Stop Serve and Ray if this process started them; on a joined cluster only disconnect: Serve
-    keeps running there for the other applications (`serve.shutdown` would delete them all)."""
-    try:
-        if started_ray:
-            serve.shutdown()
-    finally:
-        ray.shutdown()
+    """Stop the local Ray this process started, whole, with its Serve (no `serve.shutdown` first: it
+    would delete the application while the proxy still answers, 404 until it stops); on a joined
+    cluster only disconnect, Serve keeps running there for the other applications."""
+    ray.shutdown()

@@ -20,7 +20,7 @@ from kvpool_service.server import BackgroundServer
 from target_service.assembly.in_process import build_engine
 from target_service.engine.async_engine import AsyncEngine
 from target_service.serving.metrics import ServerMetrics
-from target_service.serving.openai_server import OpenAIServer
+from target_service.serving.openai_server import STOP_GRACE_S, OpenAIServer
 from target_service.serving.serve_args import ServeArgs
 
 logger = logging.getLogger(__name__)
@@ -31,6 +31,7 @@ class Replica:
         """rank: the replica's number in the metrics; admin_offset: added to admin_port (default: rank)."""
         engine_args = args.engine_args()
         self.assembly = self.services = self.admin = None
+        self._closed = False
         offset = rank if admin_offset is None else admin_offset
         admin_port = args.admin_port and args.admin_port + offset  # None: off; 0: any free port
         if args.services == "ray":
@@ -79,9 +80,13 @@ class Replica:
         return load_secret(args.admin_token_file, env=POOL_TOKEN_ENV)
 
     def close(self, drain_timeout_s: float = 30.0) -> None:
-        """Refuse new requests, let the running ones finish, then release everything."""
-        self.server.draining = True
-        self.async_engine.shutdown(drain_timeout_s)
+        """Refuse new requests, let those in flight run for up to `drain_timeout_s`, stop the rest with
+        an answer, then release everything. A second call does nothing."""
+        if self._closed:
+            return
+        self._closed = True
+        self.server.drain(drain_timeout_s)
+        self.async_engine.shutdown(STOP_GRACE_S)
         if self.admin is not None:
             self.admin.stop()
         if self.assembly is not None:

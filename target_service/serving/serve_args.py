@@ -13,6 +13,8 @@ from foundation.device_name import check_device_name
 from target_service.assembly.demo import resolve_pair
 from target_service.assembly.engine_args import EngineArgs
 
+DRAIN_TIMEOUT_S = 30.0
+
 
 class ServeArgs(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -35,6 +37,8 @@ class ServeArgs(BaseModel):
     # requests queued past this get 429; one request's choices (prompts x n) past it get 400, since no
     # wait would let them in
     max_waiting: int = Field(256, ge=1)
+    # on a stop: how long the requests in flight may run on before they are stopped with an answer
+    drain_timeout_s: float = Field(DRAIN_TIMEOUT_S, ge=0, le=3600)
     api_key_file: str | None = None
     admin_token_file: str | None = None
     served_model_name: str | None = None

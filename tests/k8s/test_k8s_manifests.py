@@ -14,7 +14,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from target_service.serving.deploy import DRAIN_TIMEOUT_S
+from target_service.serving.serve_args import DRAIN_TIMEOUT_S
 from tests.k8s.kustomize_render import split_image
 from tests.k8s.manifests import (
     GPU,
