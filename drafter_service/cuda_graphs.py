@@ -16,6 +16,8 @@ import logging
 
 import torch
 
+from foundation.graph_capture import collector_held
+
 logger = logging.getLogger(__name__)
 
 
@@ -44,14 +46,15 @@ class PaddedGraphs:
             return self
         try:
             pool = torch.cuda.graph_pool_handle()
-            for size in reversed(self.sizes):
-                self._pad(0, size)
-                self._forward(size)
-                torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
+            with collector_held():
+                for size in reversed(self.sizes):
+                    self._pad(0, size)
                     self._forward(size)
-                self.graphs[size] = graph
+                    torch.cuda.synchronize()
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool):
+                        self._forward(size)
+                    self.graphs[size] = graph
         except RuntimeError as error:
             logger.warning("%s graphs not captured (%s); they run eagerly", self.what, error)
             self.graphs.clear()

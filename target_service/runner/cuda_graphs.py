@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from foundation.graph_capture import collector_held
 from kernels import PAD_SLOT
 from target_service.runner.forward_batch import ForwardBatch
 
@@ -90,15 +91,16 @@ class TargetGraphs:
         if not self.capturing:
             return self
         pool = torch.cuda.graph_pool_handle()
-        for key in self.keys:
-            for size in reversed(self.sizes):
-                batch = self.inputs[key].batch(key, size)
-                self.model(batch, self.caches)
-                torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    output = self.model(batch, self.caches)
-                self.graphs[(key, size)] = (graph, output)
+        with collector_held():
+            for key in self.keys:
+                for size in reversed(self.sizes):
+                    batch = self.inputs[key].batch(key, size)
+                    self.model(batch, self.caches)
+                    torch.cuda.synchronize()
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool):
+                        output = self.model(batch, self.caches)
+                    self.graphs[(key, size)] = (graph, output)
         logger.info("captured %d target graphs (sizes %s, q_len %s)", len(self.graphs), self.sizes,
                     [key.q_len for key in self.keys])
         return self
