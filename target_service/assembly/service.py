@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -37,7 +38,7 @@ from target_service.assembly.assembler import TargetAssembler
 from target_service.assembly.draft_link import DrafterLink
 from target_service.assembly.plan import EnginePlan
 from target_service.engine.async_engine import AsyncEngine
-from target_service.engine.engine import LLMEngine
+from target_service.engine.engine import POOL_GONE, LLMEngine
 from target_service.engine.engine_client import EngineDead
 from target_service.engine.outputs import SpecDecodeStats
 from target_service.engine.sampling_params import SamplingParams
@@ -46,6 +47,8 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_LEASE_TOKENS = 128  # capacity reserved ahead per sequence: one reserve RPC per 128 tokens
 ATTACH_TIMEOUT_S = 300.0
+POOL_RECOVERY_S = 300.0  # a pool that keeps dying is followed this long, then the engine stops
+FOLLOW_POOL_S = 0.2  # between attempts to reach a pool that went away
 DRAFT_CALL_TIMEOUT_S = 120.0  # a drafter alive but silent this long is treated as gone (the first
 # propose may JIT-compile kernels for seconds)
 
@@ -96,7 +99,7 @@ class TargetService:
         self.pool: PoolInfo | None = None
         self._attacher = ThreadPoolExecutor(1, thread_name_prefix="dflash-attach-drafter")  # one at a time
         if peers.pool_info(wait=False) is not None:  # restarted by Ray: the pool is already up
-            self.start()
+            self.start(restarted=True)
 
     # ---- assembly ---------------------------------------------------------------------------------
 
@@ -104,22 +107,25 @@ class TargetService:
         """What the pool service is built from: this pair's groups and the KV budget measured here."""
         return self.plan.pool_args(self.assembler.kv_budget(), share=True)
 
-    def start(self) -> int:
-        """Attach to the pool and the drafter and start serving; returns this process's pid."""
+    def start(self, *, restarted: bool = False) -> int:
+        """Attach to the pool and the drafter and start serving; returns this process's pid.
+        restarted: Ray restarted this actor, so its peers may be restarting too. A pool that dies while
+        it is being reached is followed to its next incarnation (as `_recover_pool` does), and a drafter
+        that cannot be attached now is attached once it is back (as after its death): a start that
+        raised would leave the actor dead for good. A first start fails on either, with its error."""
         if self.engine is not None:
             return os.getpid()
-        self.pool = self.peers.pool_info(wait=True)
-        released = self.peers.release_pool()
-        if released:
-            logger.warning("released %d sequences a previous target left open in the pool", released)
-        self.control = self._control(self.pool)
+        self.pool, self.control = self._reach_pool(POOL_RECOVERY_S if restarted else 0.0)
         buffers = self.assembler.create_step_buffers(share=True)
         if buffers is not None:
             self.channel = StepChannel.create(device=self.plan.device)
             block_size = self.plan.block_size
             control = ChannelDraftControl(self.channel, block_size, timeout_s=DRAFT_CALL_TIMEOUT_S)
             self.link = DrafterLink(control, self._reattach_drafter, block_size=block_size)
-            self._reattach_drafter().result(ATTACH_TIMEOUT_S)
+            if restarted:
+                self.link.attach_again(ATTACH_TIMEOUT_S)
+            else:
+                self._reattach_drafter().result(ATTACH_TIMEOUT_S)
         self.engine = self.assembler.build(self.control, self.pool.handle, self.link,
                                            on_pool_lost=self._recover_pool)
         self._serve()
@@ -129,9 +135,31 @@ class TargetService:
     def _serve(self) -> None:
         self.async_engine = AsyncEngine(self.engine, max_waiting=self.max_waiting)
 
+    def _reach_pool(self, patience_s: float) -> tuple[PoolInfo, LeasedPoolControl]:
+        """The pool's current incarnation, emptied of what an earlier target left open, and a control
+        of it; a pool that dies meanwhile is followed to the next one for up to `patience_s`."""
+        deadline = time.monotonic() + patience_s
+        while True:
+            pool = self.peers.pool_info(wait=True)
+            try:
+                released = self.peers.release_pool()
+                if released:
+                    logger.warning("released %d sequences a previous target left open in the pool", released)
+                return pool, self._control(pool)
+            except POOL_GONE as error:
+                if time.monotonic() > deadline:
+                    raise
+                logger.warning("the pool (epoch %d) went away while starting (%s); following it", pool.epoch,
+                               error)
+                time.sleep(FOLLOW_POOL_S)
+
     def _control(self, pool: PoolInfo) -> LeasedPoolControl:
         client = MeteredKVPoolClient(pool.address, token=self.pool_token)
-        client.connect()
+        try:
+            client.connect()
+        except PoolError:
+            client.shutdown()
+            raise
         return LeasedPoolControl(client, lease_tokens=self.lease_tokens)
 
     def _drop_control(self) -> None:
@@ -155,12 +183,29 @@ class TargetService:
         return self.peers.attach_drafter(self.pool.handle, buffers, channel).result(ATTACH_TIMEOUT_S)
 
     def _recover_pool(self, error: Exception) -> None:
-        """The pool went away: move onto its next incarnation (or re-raise when it did not restart)."""
-        pool = self.peers.pool_info(wait=True)
-        if pool.epoch == self.pool.epoch:
-            raise error
+        """The pool went away: move onto its next incarnation (or re-raise when it did not restart).
+        A pool that dies again while the engine moves onto it is followed to the incarnation after,
+        for up to POOL_RECOVERY_S: faults can come closer together than a move takes."""
+        deadline = time.monotonic() + POOL_RECOVERY_S
+        lost_epoch = self.pool.epoch
+        while True:
+            pool = self.peers.pool_info(wait=True)
+            if pool.epoch == lost_epoch:
+                raise error
+            try:
+                self._move_onto(pool)
+                return
+            except POOL_GONE as again:
+                if time.monotonic() > deadline:
+                    raise
+                logger.warning("the restarted pool (epoch %d) went away too (%s); following it", pool.epoch,
+                               again)
+                lost_epoch, error = pool.epoch, again
+
+    def _move_onto(self, pool: PoolInfo) -> None:
+        control = self._control(pool)
         self._drop_control()
-        self.pool, self.control = pool, self._control(pool)
+        self.pool, self.control = pool, control
         requeued = self.assembler.rebind(self.engine, self.control, pool.handle)
         if self.link is not None:  # the drafter's context lives in the new pool's spec layers now
             self.link.attach_again(ATTACH_TIMEOUT_S)
