@@ -84,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
 
     settings = serve_args(args)
     stop, hurry = threading.Event(), threading.Event()
-    with deploy.serving(settings, hurry) as url:
+    with deploy.serving(settings, hurry, say=lambda line: print(line, flush=True)) as url:
         # after Ray's start: its core worker installs a failure handler for SIGTERM that aborts
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: _on_signal(stop, hurry))

@@ -35,7 +35,7 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import ray
 from ray import serve
@@ -45,6 +45,7 @@ from target_service.assembly.ray_services import service_bundle
 from target_service.serving.api import create_app, holder_named
 from target_service.serving.openai_server import STOP_GRACE_S, drain_expired
 from target_service.serving.replica import Replica
+from target_service.serving.replica_watch import ReplicaCounts, ReplicaWatch, watch_replicas
 from target_service.serving.serve_args import ServeArgs
 
 logger = logging.getLogger(__name__)
@@ -178,20 +179,26 @@ def app_builder(config: dict):
 
 
 @contextlib.contextmanager
-def serving(args: ServeArgs, hurry: threading.Event | None = None) -> Iterator[str]:
+def serving(args: ServeArgs, hurry: threading.Event | None = None,
+            say: Callable[[str], None] | None = None) -> Iterator[str]:
     """Serve `args` until the `with` block ends; yields the base URL once every replica is ready.
+    With `say`, a replica that stops (and the set whole again) is said through it while serving.
 
     On the way out (`stop_serving`): the replicas drain for up to `args.drain_timeout_s`, or until
     `hurry` is set, then what this process started stops.
     """
     started_ray = start_ray(args)
-    deployed = False
+    deployed, watching = False, threading.Event()
     try:
         url = start_serve(args)  # refuses a taken application name before deploying anything
         deployed = True
         serve.run(build_application(args), name=APP_NAME, route_prefix="/", blocking=False)
+        if say is not None:
+            watch_replicas(functools.partial(replica_counts, args.replicas),
+                           ReplicaWatch(args.replicas, replica_log_hint(started_ray)), watching, say)
         yield url
     finally:
+        watching.set()  # replicas stopping on the way out are no fault
         hurry = hurry or threading.Event()
         # Ray calls wait for its GCS, a minute each when it is going away too (one SIGTERM to every
         # process: a process group, systemd's whole cgroup): each step gets a bounded time
@@ -224,6 +231,24 @@ def start_serve(args: ServeArgs) -> str:
         logger.warning("Serve already runs on this cluster with its proxy on %s:%d; --host/--port are "
                        "ignored", http.host, http.port)
     return f"http://{http.host}:{http.port}"
+
+
+def replica_counts(wanted: int) -> ReplicaCounts | None:
+    """The replicas of this application running now, per Ray Serve (None: not deployed)."""
+    app = serve.status().applications.get(APP_NAME)
+    deployment = None if app is None else app.deployments.get(DEPLOYMENT_NAME)
+    if deployment is None:
+        return None
+    return ReplicaCounts(deployment.replica_states.get("RUNNING", 0), wanted, deployment.message)
+
+
+def replica_log_hint(started_ray: bool) -> str:
+    """Where a replica's own log lines are: the local Ray's session folder, or the replica's node's."""
+    if started_ray:
+        node = getattr(ray._private.worker, "_global_node", None)  # no public getter of the session dir
+        if node is not None:
+            return f"{node.get_session_dir_path()}/logs/serve/"
+    return "logs/serve/ in the Ray session folder of the replica's node"
 
 
 def replicas():
