@@ -64,7 +64,8 @@ def schemathesis(binary: Path, url: str, mode: str, seed: int, report: Path) -> 
          "--exclude-checks", "positive_data_acceptance", "--max-time", str(MAX_TIME_S),
          "--request-timeout", "30", "--workers", "1", "--seed", str(seed), "--no-color",
          "--report", "junit", "--report-dir", str(report)],
-        capture_output=True, text=True, timeout=MAX_TIME_S + 120, cwd=report.parent)  # its database goes there
+        capture_output=True, text=True, timeout=MAX_TIME_S + 120,
+        cwd=report.parent)  # its example database goes there, not into the checkout
 
 
 def test_schemathesis_finds_nothing_and_the_replica_never_restarts(served, tmp_path):

@@ -5,6 +5,7 @@ invalidates that capture; under collector_held the same capture succeeds."""
 
 import gc
 import random
+from typing import ClassVar
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ from foundation.graph_capture import collector_held
 class Finalized:
     """Part of a reference cycle (only the collector frees it) that records when it is freed."""
 
-    freed: list[int] = []
+    freed: ClassVar[list[int]] = []
 
     def __init__(self, tag: int, payload=None):
         self.tag, self.payload, self.me = tag, payload, self
