@@ -60,7 +60,8 @@ class Server:
                                         env=env)
         self.lines: list[str] = []
         self.ready = threading.Event()
-        threading.Thread(target=self._read, daemon=True).start()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
         if not self.ready.wait(READY_TIMEOUT_S):
             self.process.kill()
             raise AssertionError("dflash serve never became ready:\n" + "".join(self.lines[-30:]))
@@ -71,6 +72,12 @@ class Server:
             self.lines.append(line)
             if line.startswith("dflash serve: ready at"):
                 self.ready.set()
+
+    def wait(self, timeout: float) -> int:
+        """The exit status, once the process has ended and every line it printed is in `lines`."""
+        status = self.process.wait(timeout)
+        self._reader.join(timeout)
+        return status
 
     def stop(self, timeout: float = 60) -> None:
         """SIGTERM (the server drains), then kill what is still there after `timeout`."""

@@ -67,7 +67,7 @@ def test_a_stream_past_the_drain_gets_an_error_event_and_done_and_the_exit_is_cl
         server.process.send_signal(signal.SIGTERM)
         statuses = statuses_until_closed(server)
         error, done = stream.ending()
-        assert server.process.wait(EXIT_S) == 0
+        assert server.wait(EXIT_S) == 0
     finally:
         server.stop()
     assert done == "[DONE]" and error["error"]["code"] == "service_unavailable", error
@@ -85,7 +85,7 @@ def test_a_second_signal_stops_at_once():
         signalled = time.monotonic()
         server.process.send_signal(signal.SIGINT)
         error, done = stream.ending()
-        assert server.process.wait(EXIT_S) == 0
+        assert server.wait(EXIT_S) == 0
         took = time.monotonic() - signalled
     finally:
         server.stop()

@@ -63,20 +63,25 @@ def test_the_collector_is_restored_as_it_was_even_after_an_error(enabled):
         gc.enable()
 
 
-def _old_graph_in_a_cycle() -> None:
+def _old_graph_in_a_cycle() -> list:
+    """A captured graph held by a reference cycle, itself held by the list returned: clearing the
+    list makes the graph garbage that only the collector frees."""
     x = torch.zeros(16, device="cuda")
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         x.add_(1)
-    Finalized(0, payload=graph)  # unreachable now: only the collector frees it and its graph
+    return [Finalized(0, payload=graph)]
 
 
-def _capture_with_churn() -> None:
+def _capture_with_churn(release) -> None:
+    """A capture during which the old graph becomes garbage and host allocations go on, as an engine's
+    capture does while an earlier engine's graphs wait for the collector."""
     y = torch.zeros(16, device="cuda")
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
+        release()
         for _ in range(50):
-            churn(200)  # host allocations inside the capture, as a model's Python does
+            churn(200)
             y.mul_(2)
     graph.replay()
     torch.cuda.synchronize()
@@ -84,11 +89,13 @@ def _capture_with_churn() -> None:
 
 @pytest.mark.gpu
 def test_an_old_graph_collected_mid_capture_breaks_it_and_collector_held_prevents_it(low_threshold):
-    _old_graph_in_a_cycle()
     with pytest.raises(RuntimeError, match="capture"):
-        _capture_with_churn()
+        _capture_with_churn(_old_graph_in_a_cycle().clear)
+    assert 0 in Finalized.freed  # the collector ran inside the capture: that broke it
     torch.cuda.synchronize()
-    _old_graph_in_a_cycle()
+    Finalized.freed.clear()
     with collector_held():
-        _capture_with_churn()
-    assert 0 in Finalized.freed
+        _capture_with_churn(_old_graph_in_a_cycle().clear)
+        assert Finalized.freed == []
+    gc.collect()
+    assert Finalized.freed == [0]
