@@ -101,9 +101,13 @@ def _write(directory: Path, config: dict, layout: dict, dtype: torch.dtype, seed
 
 
 def write_random_pair(
-    out: Path, geometry: str, *, dtype: str = "bfloat16", seed: int = 0
+    out: Path, geometry: str, *, dtype: str = "bfloat16", seed: int = 0, target_layers: int | None = None
 ) -> tuple[Path, Path]:
-    """Write `out/target` and `out/drafter` (once: an existing pair of the same configs is reused)."""
+    """Write `out/target` and `out/drafter` (once: an existing pair of the same configs is reused).
+
+    target_layers: keep every shape of the geometry but only this many target layers, the drafter's
+    taps moved onto the last of them: the same kernels, in seconds rather than minutes (for probes
+    that care which kernels run, not how long the model takes)."""
     if geometry == "tiny":
         target_json, drafter_json = dict(TINY_TARGET), dict(TINY_DRAFTER)
     else:
@@ -114,6 +118,8 @@ def write_random_pair(
         target_json = json.loads((target_dir / "config.json").read_text())
         drafter_json = json.loads((drafter_dir / "config.json").read_text())
     target_json["torch_dtype"] = drafter_json["torch_dtype"] = dtype
+    if target_layers is not None:
+        _keep_target_layers(target_json, drafter_json, target_layers)
     target_out, drafter_out = out / "target", out / "drafter"
     stamp = out / "pair.json"
     wanted = {"target": target_json, "drafter": drafter_json, "seed": seed}
@@ -131,6 +137,15 @@ def write_random_pair(
     _write(drafter_out, drafter_json, drafter_weight_layout(drafter_config), torch_dtype, seed + 1)
     stamp.write_text(json.dumps(wanted))
     return target_out, drafter_out
+
+
+def _keep_target_layers(target_json: dict, drafter_json: dict, layers: int) -> None:
+    taps = drafter_json["dflash_config"]["target_layer_ids"]
+    if not len(taps) <= layers <= target_json["num_hidden_layers"]:
+        raise ValueError(f"target_layers: between the drafter's {len(taps)} taps and the geometry's "
+                         f"{target_json['num_hidden_layers']} layers, got {layers}")
+    target_json["num_hidden_layers"] = drafter_json["num_target_layers"] = layers
+    drafter_json["dflash_config"]["target_layer_ids"] = list(range(layers - len(taps), layers))
 
 
 def add_pair_arguments(parser: argparse.ArgumentParser) -> None:

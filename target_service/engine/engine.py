@@ -163,6 +163,10 @@ class LLMEngine:
         return self._scheduler.max_model_len
 
     @property
+    def vocab_size(self) -> int:
+        return self._runner.vocab_size
+
+    @property
     def num_speculative_tokens(self) -> int:
         return self._scheduler.num_speculative_tokens
 
