@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from typing import NamedTuple
 
 import torch
 import triton
@@ -122,6 +123,46 @@ def _fused_merge_chunk(tiles: TileConfig, d_pad: int) -> int:
     return chunk
 
 
+class LaunchPlan(NamedTuple):
+    """How one call launches: the tiles, the split plan, and the choices made from them."""
+
+    tiles: TileConfig
+    max_splits: int
+    min_tokens: int  # per split
+    fused: bool  # the last split of each work item merges the partials (no merge kernel)
+    merge_chunk: int
+    seq_search: int
+
+    @property
+    def split(self) -> bool:
+        return self.max_splits > 1
+
+    @property
+    def variant(self) -> tuple:
+        """What the kernel is compiled for: the plan's constexprs and launch options. The split
+        count and floor are run-time arguments (never specialised), so they are not in it."""
+        return self.tiles, self.split, self.fused, self.merge_chunk, self.seq_search
+
+
+def plan_launch(num_tokens: int, batch: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                device: torch.device, cache_dtype: torch.dtype, q_dtype: torch.dtype,
+                num_splits: int | None = None, tiles: TileConfig | None = None, *,
+                fused_merge_max_splits: int = 4, seq_search: int = 64) -> LaunchPlan:
+    """The launch of a call with these static shapes (see `_launch_paged_attention` for the knobs)."""
+    if tiles is None:
+        tiles, max_splits, min_tokens = paged_tiles.default_plan(
+            num_tokens, batch, num_heads, num_kv_heads, head_dim, device, cache_dtype, q_dtype, num_splits)
+    else:
+        paged_tiles.check_tiles(tiles)
+        num_items = paged_tiles.work_items(num_tokens, batch, num_kv_heads, tiles)
+        max_splits, min_tokens = paged_tiles.split_plan(num_items, num_heads, head_dim, tiles, num_splits,
+                                                        device)
+    fused = max_splits > 1 and num_tokens > batch and max_splits <= fused_merge_max_splits
+    d_pad = max(16, triton.next_power_of_2(head_dim))
+    return LaunchPlan(tiles, max_splits, min_tokens, fused, _fused_merge_chunk(tiles, d_pad),
+                      seq_search if num_tokens > batch else 1)
+
+
 def _launch_paged_attention(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale, k_scale,
                             v_scale, num_splits, out, tiles: TileConfig | None = None, *,
                             fused_merge_max_splits: int = 4, seq_search: int = 64):
@@ -146,20 +187,13 @@ def _launch_paged_attention(q, k_cache, v_cache, block_table, seq_lens, query_st
     batch = seq_lens.shape[0]
     if num_tokens == 0 or batch == 0:
         return out
-    if tiles is None:
-        tiles, max_splits, min_tokens = paged_tiles.default_plan(
-            num_tokens, batch, num_heads, num_kv_heads, head_dim, q.device, k_cache.dtype, q.dtype,
-            num_splits)
-    else:
-        paged_tiles.check_tiles(tiles)
-        num_items = paged_tiles.work_items(num_tokens, batch, num_kv_heads, tiles)
-        max_splits, min_tokens = paged_tiles.split_plan(num_items, num_heads, head_dim, tiles, num_splits,
-                                                        q.device)
-    split = max_splits > 1
+    plan = plan_launch(num_tokens, batch, num_heads, num_kv_heads, head_dim, q.device, k_cache.dtype, q.dtype,
+                       num_splits, tiles, fused_merge_max_splits=fused_merge_max_splits,
+                       seq_search=seq_search)
+    tiles, max_splits, min_tokens, fused, merge_chunk = plan[:5]
+    split = plan.split
     grid = launch_grid(num_tokens, batch, num_kv_heads, max_splits, tiles.block_q)
     d_pad = max(16, triton.next_power_of_2(head_dim))
-    fused = split and num_tokens > batch and max_splits <= fused_merge_max_splits
-    merge_chunk = _fused_merge_chunk(tiles, d_pad)
     if split:
         part_acc, part_lse = split_kv.alloc_partials(num_tokens * num_heads, max_splits, head_dim, q.device)
         split_lens = torch.empty(num_tokens, dtype=torch.int32, device=q.device)
@@ -184,7 +218,7 @@ def _launch_paged_attention(q, k_cache, v_cache, block_table, seq_lens, query_st
         D_PAD=d_pad, BLOCK_Q=tiles.block_q, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
         TOKENS_PER_BLOCK=k_cache.shape[1], SCALES_ON_DEVICE=on_device, SPLIT=split,
         FUSED_MERGE=fused, MERGE_CHUNK=merge_chunk, DOT_DTYPE=operands.TL_DTYPES[dot_dtype], USE_PDL=use_pdl,
-        SEQ_SEARCH=seq_search if num_tokens > batch else 1,
+        SEQ_SEARCH=plan.seq_search,
         NARROW_Q=operands.narrows_q(dot_dtype, q.dtype), FP8_CVT_ASM=operands.fp8_cvt_asm(q.device),
         FP8_Q=operands.quantizes_q(k_cache.dtype, q.device, tiles.block_m, d_pad),
         KEY_LANES=tiles.key_lanes,

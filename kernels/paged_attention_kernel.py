@@ -33,6 +33,12 @@ import triton.language as tl
 from kernels import operands, pdl
 from kernels.split_kv import arrive_last, finalize_state, merge_partial_chunks, num_splits_for, split_bounds
 
+# Small tables a step builds as views at any offset of its staging buffers (block tables, query start
+# locations, lengths, split counters, a layer's scale): Triton would compile one kernel per 16-byte
+# alignment class of each (seen on an H200: a new kernel for a block table or a scale at another
+# offset, seconds inside the step loop). Their loads are scalar or tiny, so the hint buys nothing.
+RUN_TIME_POINTERS = ["SplitLens", "Counters", "BlockTable", "SeqLens", "QueryStartLoc", "KScale", "VScale"]
+
 
 @triton.jit
 def _find_seq(QueryStartLoc, num_seqs, tile_id, BLOCK_Q: tl.constexpr, SEARCH: tl.constexpr):
@@ -184,7 +190,8 @@ def merge_lanes(acc, m_i, l_i):
     return tl.sum(acc * w[:, :, None], 0), m, tl.sum(l_i * w, 0)
 
 
-@triton.jit(do_not_specialize=["num_seqs", "max_splits", "min_tokens_per_split"])
+@triton.jit(do_not_specialize=["num_seqs", "max_splits", "min_tokens_per_split"],
+            do_not_specialize_on_alignment=RUN_TIME_POINTERS)
 def _paged_attention_kernel(
     Q, K, V, Out, PartAcc, PartLse, SplitLens, Counters,  #
     BlockTable, SeqLens, QueryStartLoc, KScale, VScale,  #

@@ -50,7 +50,7 @@ def _store_row(src_ptr, dst_ptr, token, block, offset, heads, dims, keep, scale,
     tl.store(dst, row.to(dst_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["slot_mapping_ptr"])  # a view at any offset of a step's slots
 def _store_kv_kernel(
     k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, k_scale, v_scale, num_kv_heads,
     stride_kn, stride_kh, stride_kd, stride_vn, stride_vh, stride_vd,

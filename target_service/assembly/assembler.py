@@ -16,6 +16,8 @@ import torch
 from drafter_service.control import DraftControl
 from drafter_service.step_buffers import StepBuffers
 from foundation.cuda_graph_sizes import capture_sizes
+from kernels import paged_warmup
+from kernels.compile_watch import WATCH
 from kvpool_service.control import PoolControl
 from kvpool_service.geometry import PoolSpec
 from kvpool_service.memory import PoolHandle, PoolMemory
@@ -39,6 +41,7 @@ class TargetAssembler:
     def __init__(self, plan: EnginePlan):
         self.plan = plan
         self.device = torch.device(plan.device)
+        WATCH.install()  # counts what compiles from here on, and after ready (`build`)
         self.checkpoint = open_target_checkpoint(plan.args.target)
         self.model = None
         self.memory: PoolMemory | None = None
@@ -83,16 +86,20 @@ class TargetAssembler:
                              f"{plan.block_size}")
         caches, layout = self._attach(pool_handle)
         limits = pool.limits()
+        self._warm_up_attention(caches)
         self.runner = ModelRunner(self._model(), caches, tokens_per_block=limits.tokens_per_block,
                                   draft_budget=plan.draft_budget(), drafter=drafter,
                                   step_buffers=self.buffers, graphs=self._graphs(caches, layout),
                                   seed=plan.args.seed)
         scheduler = Scheduler(pool, max_num_seqs=plan.args.max_num_seqs,
                               max_num_batched_tokens=plan.args.max_num_batched_tokens,
-                              draft_budget=plan.draft_budget())
+                              draft_budget=plan.draft_budget(),
+                              max_prefill_tokens_with_decodes=plan.args.max_prefill_tokens_with_decodes)
         stop_checker = StopChecker(self.checkpoint.eos_token_ids, self.checkpoint.tokenizer)
-        return LLMEngine(self.runner, scheduler, limits=limits, stop_checker=stop_checker,
-                         async_scheduling=plan.args.async_scheduling, on_pool_lost=on_pool_lost)
+        engine = LLMEngine(self.runner, scheduler, limits=limits, stop_checker=stop_checker,
+                           async_scheduling=plan.args.async_scheduling, on_pool_lost=on_pool_lost)
+        WATCH.mark_ready()
+        return engine
 
     def rebind(self, engine: LLMEngine, pool: PoolControl, pool_handle: PoolHandle) -> list:
         """Move `engine` and its runner onto a restarted pool: map its pages, capture graphs over them,
@@ -114,6 +121,17 @@ class TargetAssembler:
         expected = layout.model_copy(update={"spec": layout.spec.model_copy(update={"target": own})})
         self.memory = PoolMemory.attach(pool_handle, expected)
         return self.memory.layers("target"), layout
+
+    def _warm_up_attention(self, caches) -> None:
+        """Every variant of the paged attention kernel a step can launch, compiled now rather than
+        in the step loop (`kernels.paged_warmup`); the graphs capture what the steady state runs."""
+        if self.device.type != "cuda":
+            return
+        config, args = self.checkpoint.config, self.plan.args
+        cache = caches[0]  # every layer's pages share one dtype and shape
+        paged_warmup.warm_up(cache.k_cache, cache.v_cache, cache.k_scale, cache.v_scale,
+                             num_heads=config.num_attention_heads, q_dtype=self._model().embed_tokens.dtype,
+                             max_tokens=args.max_num_batched_tokens, max_seqs=args.max_num_seqs)
 
     def _graphs(self, caches, layout) -> TargetGraphs | None:
         """CUDA graphs of the steady-state steps (verify K + 1 rows with taps, or a 1-row decode)."""

@@ -12,6 +12,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from kernels.compile_watch import WATCH
+
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                    20.0, 40.0, 80.0)
 TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15,
@@ -57,6 +59,19 @@ class _EngineCollector:
             family.add_metric(values, value)
             yield family
         yield from self._pool(snapshot.pool, values)
+        yield self._compilations(values)
+
+    def _compilations(self, values):
+        """Triton kernel specialisations built in this process, before and after the engine was
+        ready: any after ready stalled every stream of the replica while it compiled (the aim: 0)."""
+        family = self._family(CounterMetricFamily, "dflash:kernel_compilations",
+                              "Triton kernels compiled (or loaded from the on-disk cache) in this process, "
+                              "at start-up or while serving", ("phase",))
+        built = WATCH.compilations
+        serving = sum(1 for item in built if item.after_ready)
+        family.add_metric([*values, "startup"], len(built) - serving)
+        family.add_metric([*values, "serving"], serving)
+        return family
 
     def _pool(self, usage, values):
         # block ids are position-aligned across the groups: the counts are the pool's, per group alike

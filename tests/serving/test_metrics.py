@@ -65,3 +65,27 @@ def test_metrics_follow_the_engine_and_the_observed_requests(tmp_path):
     assert value(after, "dflash:kv_blocks_used", group="target") == 0
     engine.shutdown()
     llm.close()
+
+
+def test_kernel_compilations_are_counted_by_phase(tmp_path, monkeypatch):
+    """What compiled before the engine was ready is start-up; anything after it stalled the step."""
+    from kernels.compile_watch import CompileWatch
+    from target_service.serving import metrics as metrics_module
+
+    watch = CompileWatch()
+    monkeypatch.setattr(metrics_module, "WATCH", watch)
+    target, _ = make_pair(tmp_path)
+    llm = LLM(target, kv_cache_memory="4MiB", tokens_per_block=16, max_num_seqs=2, max_model_len=64)
+    engine = AsyncEngine(llm.engine)
+    metrics = ServerMetrics(engine, model_name="demo", replica="3")
+    built = {"startup": 0, "serving": 0}
+    for phase in ["startup"] * 3 + ["serving"] * 2:
+        if phase == "serving":
+            watch.mark_ready()
+        watch._on_miss(fn=None, compile={"signature": {"n": "i32"}}, repr="")
+        built[phase] += 1
+        table = samples(metrics)
+        for name, count in built.items():
+            assert value(table, "dflash:kernel_compilations_total", phase=name) == count
+    engine.shutdown()
+    llm.close()
