@@ -41,6 +41,11 @@ def register(subparsers) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-model-len", type=int)
     parser.add_argument("--kv-cache-memory", help="pool budget per replica, e.g. 512MiB")
+    parser.add_argument("--max-num-batched-tokens", type=int,
+                        help="query rows one step runs: prefill chunks plus verifies (default: 2048)")
+    parser.add_argument("--max-prefill-tokens-with-decodes", type=int,
+                        help="prompt tokens a step prefills while streams decode beside it: the longest "
+                             "gap a long prompt puts in them (default: 512; 0: no cap, the step's budget)")
     parser.add_argument("--max-waiting", type=int, default=256, help="queued requests before 429")
     parser.add_argument("--drain-timeout", dest="drain_timeout_s", type=float, metavar="SECONDS",
                         help="on Ctrl-C or SIGTERM, how long requests in flight may run on before they "
@@ -72,6 +77,8 @@ def serve_args(args: argparse.Namespace):
               if getattr(args, name, None) is not None}
     if fields.get("admin_port") == -1:
         fields["admin_port"] = None
+    if fields.get("max_prefill_tokens_with_decodes") == 0:
+        fields["max_prefill_tokens_with_decodes"] = None
     if args.num_gpus_per_replica is None:
         import torch
 

@@ -7,7 +7,7 @@ from collections.abc import Sequence as Seq
 from typing import Literal
 
 from target_service.assembly.demo import resolve_pair
-from target_service.assembly.engine_args import engine_args
+from target_service.assembly.engine_args import DEFAULT_PREFILL_WITH_DECODES, engine_args
 from target_service.assembly.in_process import build_engine
 from target_service.engine.outputs import CompletionOutput, RequestOutput, SpecDecodeStats
 from target_service.engine.sampling_params import SamplingParams
@@ -35,7 +35,9 @@ class LLM:
                  max_model_len: int | None = None, max_num_seqs: int = 256, kv_cache_memory=None,
                  gpu_memory_utilization: float = 0.9, tokens_per_block: int = 32,
                  enable_prefix_caching: bool = True, seed: int | None = None,
-                 max_num_batched_tokens: int = 2048, enforce_eager: bool = False,
+                 max_num_batched_tokens: int = 2048,
+                 max_prefill_tokens_with_decodes: int | None = DEFAULT_PREFILL_WITH_DECODES,
+                 enforce_eager: bool = False,
                  cuda_graph_sizes: list[int] | None = None, async_scheduling: bool = True,
                  services: Literal["inprocess", "ray"] = "inprocess", address: str | None = None):
         if services not in ("inprocess", "ray"):
@@ -48,7 +50,8 @@ class LLM:
             max_num_seqs=max_num_seqs,
             kv_cache_memory=kv_cache_memory, gpu_memory_utilization=gpu_memory_utilization,
             tokens_per_block=tokens_per_block, enable_prefix_caching=enable_prefix_caching, seed=seed,
-            max_num_batched_tokens=max_num_batched_tokens, enforce_eager=enforce_eager,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_prefill_tokens_with_decodes=max_prefill_tokens_with_decodes, enforce_eager=enforce_eager,
             cuda_graph_sizes=cuda_graph_sizes, async_scheduling=async_scheduling,
         )
         self.services = services

@@ -12,6 +12,8 @@ from foundation.byte_size import parse_byte_size
 from foundation.device_name import check_device_name
 from foundation.validation_error import InvalidSetting
 
+DEFAULT_PREFILL_WITH_DECODES = 512
+
 
 class EngineArgs(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -29,6 +31,9 @@ class EngineArgs(BaseModel):
     max_model_len: int | None = Field(None, ge=2)
     max_num_seqs: int = Field(256, ge=1)
     max_num_batched_tokens: int = Field(2048, ge=16)
+    # prompt tokens a step prefills beside decodes or verifies (None: the rest of the step's budget):
+    # the longest gap a long prompt's arrival puts in the running streams
+    max_prefill_tokens_with_decodes: int | None = Field(DEFAULT_PREFILL_WITH_DECODES, ge=1)
     kv_cache_memory: int | str | None = None
     gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0)
     tokens_per_block: int = 32

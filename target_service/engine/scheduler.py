@@ -25,10 +25,15 @@ logger = logging.getLogger(__name__)
 
 
 class Scheduler:
-    def __init__(self, pool, *, max_num_seqs: int, max_num_batched_tokens: int, draft_budget: DraftBudget):
+    def __init__(self, pool, *, max_num_seqs: int, max_num_batched_tokens: int, draft_budget: DraftBudget,
+                 max_prefill_tokens_with_decodes: int | None = None):
+        """max_prefill_tokens_with_decodes: prompt tokens one step prefills while it also decodes or
+        verifies (None: the rest of max_num_batched_tokens). Every running stream waits for the step,
+        so a long prompt's chunk beside them is a gap in each of their streams."""
         self.pool = pool
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_prefill_tokens_with_decodes = max_prefill_tokens_with_decodes
         self.draft_budget = draft_budget
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
@@ -78,6 +83,8 @@ class Scheduler:
             budget -= num_verified + 1
             work.append(DecodeWork(seq, num_verified, max_accepted))
         out.decodes = self._reserve(work, out.preempted)
+        if out.decodes and self.max_prefill_tokens_with_decodes is not None:
+            budget = min(budget, self.max_prefill_tokens_with_decodes)
         for seq in self.running:
             if seq.is_prefilling and budget > 0:
                 chunk = min(budget, seq.prefill_len - seq.num_computed)

@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from foundation.byte_size import parse_byte_size
 from foundation.device_name import check_device_name
 from target_service.assembly.demo import resolve_pair
-from target_service.assembly.engine_args import EngineArgs
+from target_service.assembly.engine_args import DEFAULT_PREFILL_WITH_DECODES, EngineArgs
 
 DRAIN_TIMEOUT_S = 30.0
 
@@ -34,6 +34,8 @@ class ServeArgs(BaseModel):
     max_num_seqs: int = Field(64, ge=1)
     max_model_len: int | None = Field(None, ge=2)
     kv_cache_memory: str | None = None
+    max_num_batched_tokens: int = Field(2048, ge=16)
+    max_prefill_tokens_with_decodes: int | None = Field(DEFAULT_PREFILL_WITH_DECODES, ge=1)
     # requests queued past this get 429; one request's choices (prompts x n) past it get 400, since no
     # wait would let them in
     max_waiting: int = Field(256, ge=1)
@@ -99,6 +101,8 @@ class ServeArgs(BaseModel):
                           kv_cache_dtype=self.kv_cache_dtype, device=self.device,
                           max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len,
                           kv_cache_memory=self.kv_cache_memory, enable_prefix_caching=True,
+                          max_num_batched_tokens=self.max_num_batched_tokens,
+                          max_prefill_tokens_with_decodes=self.max_prefill_tokens_with_decodes,
                           enforce_eager=self.enforce_eager, async_scheduling=self.async_scheduling)
 
     @property

@@ -201,3 +201,28 @@ def test_a_prefix_hit_keeps_its_cached_context_when_its_first_step_loses_the_dra
     again.num_computed = len(prompt)
     scheduler.commit([again])  # before the fix: InvalidRequest 'lengths cannot shrink ... num_context 8 -> 0'
     assert again.num_context == 8 == pool.get(1).num_context
+
+
+@pytest.mark.parametrize("cap", [None, 1, 5, 13])
+def test_beside_decodes_a_step_prefills_at_most_the_cap_and_alone_the_whole_budget(cap):
+    """The running streams wait for every step: beside them a prompt gets `cap` tokens a step; with
+    no stream running it gets the step's whole budget (minus nothing)."""
+    budget, k = 40, 3
+    scheduler = Scheduler(FakePool(256), max_num_seqs=8, max_num_batched_tokens=budget,
+                          draft_budget=DraftBudget(k, 512), max_prefill_tokens_with_decodes=cap)
+    first = add(scheduler, 1, 6)[0]
+    plan = scheduler.schedule()
+    assert [(c.seq, c.num_tokens) for c in plan.prefills] == [(first, 6)]
+    finish_step(scheduler, plan)
+    length = random.randint(60, 200)
+    long_prompt = add(scheduler, 1, length)[0]
+    prefilled = 0
+    while long_prompt.is_prefilling or long_prompt.status != SequenceStatus.RUNNING:
+        plan = scheduler.schedule()
+        assert [work.seq for work in plan.decodes] == [first]
+        rows = sum(work.num_verified + 1 for work in plan.decodes)
+        chunk = sum(c.num_tokens for c in plan.prefills if c.seq is long_prompt)
+        assert chunk == min(length - prefilled, budget - rows, cap or budget)  # by hand
+        prefilled += chunk
+        finish_step(scheduler, plan)
+    assert prefilled == length
