@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import threading
 
@@ -54,6 +55,10 @@ def register(subparsers) -> None:
                                                "$DFLASH_API_KEY holds the key itself; neither: no key)")
     parser.add_argument("--admin-token-file", help="file holding the admin gRPC bearer token")
     parser.add_argument("--served-model-name", help="the model name clients ask for")
+    parser.add_argument("--compile-cache-dir", type=os.path.abspath, metavar="DIR",
+                        help="Triton's compile cache for the replicas (their TRITON_CACHE_DIR): keep it "
+                             "across restarts and start-up loads kernels instead of compiling them "
+                             "(default: $TRITON_CACHE_DIR, else ~/.triton/cache)")
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     parser.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
                         help="read every step before queuing the next (default: the steady state's next "

@@ -155,11 +155,12 @@ def replica_deployment(args: ServeArgs) -> serve.Deployment:
     """`args.replicas` copies, each in its own STRICT_PACK placement group of `replica_bundle(args)`;
     the replica actor takes the whole bundle. No `max_replicas_per_node`: a node with eight GPUs
     holds eight replicas, one per GPU, and the resources alone say so."""
+    options = {"num_cpus": args.num_cpus_per_replica, "num_gpus": replica_bundle(args).get("GPU", 0),
+               "resources": dict(args.replica_resources)}
+    if args.compile_cache_dir is not None:  # the services a replica starts inherit its runtime env
+        options["runtime_env"] = {"env_vars": {"TRITON_CACHE_DIR": args.compile_cache_dir}}
     return serve.deployment(
-        DFlashReplica, name=DEPLOYMENT_NAME, num_replicas=args.replicas,
-        ray_actor_options={"num_cpus": args.num_cpus_per_replica,
-                           "num_gpus": replica_bundle(args).get("GPU", 0),
-                           "resources": dict(args.replica_resources)},
+        DFlashReplica, name=DEPLOYMENT_NAME, num_replicas=args.replicas, ray_actor_options=options,
         placement_group_bundles=replica_bundles(args), placement_group_strategy="STRICT_PACK",
         max_ongoing_requests=max(1, args.max_num_seqs + args.max_waiting),
         graceful_shutdown_timeout_s=args.drain_timeout_s + STOP_GRACE_S, graceful_shutdown_wait_loop_s=0.5,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Literal
 
@@ -42,6 +43,10 @@ class ServeArgs(BaseModel):
     # on a stop: how long the requests in flight may run on before they are stopped with an answer
     drain_timeout_s: float = Field(DRAIN_TIMEOUT_S, ge=0, le=3600)
     api_key_file: str | None = None
+    # Triton's compile cache for every replica (TRITON_CACHE_DIR in their processes): a directory that
+    # outlives the server, so a restart loads its kernels instead of compiling them; None: Triton's
+    # default (~/.triton/cache of the user running the replicas)
+    compile_cache_dir: str | None = None
     admin_token_file: str | None = None
     served_model_name: str | None = None
     enforce_eager: bool = False
@@ -85,6 +90,25 @@ class ServeArgs(BaseModel):
                 raise ValueError(f"{name} has its own flag (--num-{name.lower()}s-per-replica)")
             if amount <= 0:
                 raise ValueError(f"{name} needs a positive amount, got {amount}")
+        return value
+
+    @field_validator("compile_cache_dir")
+    @classmethod
+    def _writable_directory(cls, value):
+        """An absolute directory this process can create and write (replicas run elsewhere: a
+        relative path would name another directory in each)."""
+        if value is None:
+            return value
+        path = Path(value)
+        if not path.is_absolute():
+            raise ValueError(f"{value} is not an absolute path")
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            probe = path / f".dflash-write-check-{os.getpid()}"
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as error:
+            raise ValueError(f"cannot write to {value} ({error.strerror or error})") from None
         return value
 
     @field_validator("api_key_file", "admin_token_file")

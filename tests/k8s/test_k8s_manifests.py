@@ -309,6 +309,19 @@ def test_gpu_overlay_reads_the_models_from_a_read_only_volume():
     assert claim["spec"]["accessModes"] == ["ReadWriteMany"]  # old and new cluster mount it during an upgrade
 
 
+def test_gpu_workers_keep_their_compile_cache_on_a_volume_triton_writes_to():
+    """A pod that restarts loads the kernels its replicas compiled before (issue 31)."""
+    result = rendered("gpu")
+    for pod in result.workers:
+        mount = pod.mount("compile-cache")
+        assert not mount.get("readOnly")
+        assert pod.volume("compile-cache")["persistentVolumeClaim"] == {"claimName": "dflash-compile-cache"}
+        env = {item["name"]: item.get("value") for item in pod.ray_container["env"]}
+        assert env["TRITON_CACHE_DIR"] == mount["mountPath"]
+    claim = result.one("PersistentVolumeClaim", "dflash-compile-cache")
+    assert claim["spec"]["accessModes"] == ["ReadWriteMany"]  # every worker pod, old and new, writes it
+
+
 def test_optional_service_monitor_scrapes_the_serve_service():
     monitor = yaml.safe_load((K8S / "optional/servicemonitor.yaml").read_text())
     serve_service = rendered("cpu-demo").rayservice["spec"]["serveService"]
