@@ -2,26 +2,31 @@
 
     python -m dflash_cli.bench.serve_load --url http://127.0.0.1:8000/v1 (--request-rate R [R ...]
         | --concurrency C [C ...]) [--model NAME] [--api-key-file F] [--num-prompts 64]
-        [--prompts corpus|random] [--input-len 64] [--output-len 128] [--tokenizer-dir DIR] [--seed 0]
+        [--prompts corpus|random] [--input-len N|MIN-MAX | --input-lens-file F]
+        [--output-len N|MIN-MAX | --output-lens-file F] [--passes new [repeat|new ...]] [--cold]
+        [--gap-threshold-ms 250] [--metrics-counter NAME ...] [--tokenizer-dir DIR] [--seed 0]
         [--no-stream] [--out DIR (default: the current directory) --name serve]
     (the same as `dflash bench serve ...`)
 
 Any server that speaks /v1/completions works (`dflash serve`, vLLM, another build of this one), so two
-servers can be compared on one workload. Every setting sends the same `--num-prompts` prompts as token
-ids, each asking for exactly `--output-len` tokens (greedy, ignore_eos: a vLLM extension, so the work
-per request is fixed and runs are comparable). Prompts are held-out windows of the corpus the demo pair
-was trained on (the stdlib files it never saw, `training.corpus`), or random token ids.
+servers can be compared on one workload. Each pass of each setting sends `--num-prompts` prompts as
+token ids, each asking for exactly its output length (greedy, ignore_eos: a vLLM extension, so the
+work per request is fixed and runs are comparable). Prompts are held-out windows of the corpus the demo
+pair was trained on (the stdlib files it never saw, `training.corpus`), or random token ids; their
+lengths, the passes (`new` prompts, or a `repeat` of the pass before) and the warm-up are planned up
+front by `serve_workload`, all from --seed.
 
 A request rate sends Poisson arrivals (seeded exponential gaps): an open loop, latency grows with load.
 A concurrency level keeps that many requests in flight, each worker sending back to back: a closed loop.
-Per request, from the SSE stream: TTFT (first text), ITL (gaps between chunks with text: one chunk
-carries every token a speculative step accepted), TPOT ((E2E - TTFT) / (output tokens - 1), the tokens
-from the final usage chunk) and E2E. Acceptance comes from the server's Prometheus counters (vLLM's
-`spec_decode` names), scraped before and after each setting: a scrape reaches one replica, so each is
-scraped several times and the largest (latest) counter per replica label is kept.
+Per request, from the SSE stream (`serve_request`): TTFT (first text), ITL (gaps between chunks with
+text: one chunk carries every token a speculative step accepted), TPOT ((E2E - TTFT) / (output tokens -
+1), the tokens from the final usage chunk) and E2E. Acceptance, and any --metrics-counter, comes from
+the server's Prometheus counters (vLLM's `spec_decode` names), scraped before the first pass and after
+each: a scrape reaches one replica, so each is scraped several times and the largest (latest) counter
+per replica label is kept.
 
-This module talks to the server; `dflash_cli.bench.serve_report` turns what it saw into numbers and
-files. Heavy imports (httpx, torch through training.corpus) stay inside functions, so `dflash --help`
+This module runs the load; `dflash_cli.bench.serve_report` turns what it saw into numbers and files.
+Heavy imports (httpx, tqdm, torch through training.corpus) stay inside functions, so `dflash --help`
 can add these flags without loading them.
 """
 
@@ -29,124 +34,28 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
+import functools
 import random
 import re
 import sys
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from dflash_cli.bench.serve_gaps import DEFAULT_GAP_THRESHOLD_MS
+from dflash_cli.bench.serve_request import Endpoint, RequestResult, request_body, scrape, send_request
+from dflash_cli.bench.serve_workload import (
+    Prompt,
+    RunPlan,
+    add_workload_arguments,
+    check_workload_args,
+    plan_run,
+    setting_label,
+)
+
 if TYPE_CHECKING:
     import httpx
-
-@dataclass(frozen=True)
-class Endpoint:
-    """Where requests go: `url` is the API root (`http://host:port/v1`); /metrics sits beside /v1."""
-
-    url: str
-    model: str = ""
-    api_key: str | None = None
-    metrics_url: str | None = None  # None: the server root's /metrics
-
-    @property
-    def headers(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-
-    @property
-    def metrics(self) -> str:
-        return self.metrics_url or self.url.rstrip("/").removesuffix("/v1") + "/metrics"
-
-
-@dataclass
-class RequestResult:
-    """One request as the client saw it; times in seconds from the moment it was sent."""
-
-    ok: bool = False
-    error: str | None = None  # the HTTP status ("503"), a stream error or an exception's name
-    ttft: float | None = None  # the first chunk with text (None without a stream)
-    itl: list[float] = field(default_factory=list)  # gaps between chunks with text
-    e2e: float = 0.0
-    output_tokens: int = 0  # usage.completion_tokens, or chunks with text when the server sent no usage
-    usage_reported: bool = False
-    replica: str | None = None  # X-Dflash-Replica, where the server names one
-
-    @property
-    def tpot(self) -> float | None:
-        if self.ttft is None or self.output_tokens < 2:
-            return None
-        return (self.e2e - self.ttft) / (self.output_tokens - 1)
-
-
-def request_body(model: str, prompt: list[int], output_len: int, stream: bool) -> dict:
-    """Exactly `output_len` greedy tokens: ignore_eos makes every request the same amount of work."""
-    body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0,
-            "ignore_eos": True, "stream": stream}
-    if stream:
-        body["stream_options"] = {"include_usage": True}
-    return body
-
-
-async def send_request(client: httpx.AsyncClient, endpoint: Endpoint, body: dict) -> RequestResult:
-    """POST one completion and time it; every failure is recorded, none raised."""
-    import httpx
-
-    result = RequestResult()
-    started = time.perf_counter()
-    try:
-        url = endpoint.url.rstrip("/") + "/completions"
-        async with client.stream("POST", url, json=body, headers=endpoint.headers) as response:
-            result.replica = response.headers.get("x-dflash-replica")
-            if response.status_code != 200:
-                await response.aread()
-                result.error = str(response.status_code)
-            elif body.get("stream"):
-                await _read_stream(response, result, started)
-            else:
-                usage = json.loads(await response.aread()).get("usage") or {}
-                result.output_tokens = usage.get("completion_tokens", 0)
-                result.usage_reported = result.ok = "completion_tokens" in usage
-                result.error = None if result.ok else "no usage"
-    except (httpx.HTTPError, json.JSONDecodeError) as error:
-        result.error = type(error).__name__
-    if not result.e2e:
-        result.e2e = time.perf_counter() - started
-    return result
-
-
-async def _read_stream(response: httpx.Response, result: RequestResult, started: float) -> None:
-    """Parse SSE `data:` lines up to [DONE]: text chunks give TTFT and ITL, the usage chunk the tokens."""
-    last = None
-    chunks = 0
-    async for line in response.aiter_lines():
-        if not line.startswith("data:"):
-            continue
-        data = line[5:].strip()
-        if data == "[DONE]":
-            result.e2e = time.perf_counter() - started
-            result.ok = True
-            break
-        event = json.loads(data)
-        if "error" in event:  # a refusal after the stream began
-            result.error = f"stream {event['error'].get('code') or event['error'].get('type')}"
-            return
-        if event.get("usage"):
-            result.output_tokens = event["usage"]["completion_tokens"]
-            result.usage_reported = True
-        if any(choice.get("text") for choice in event.get("choices") or ()):
-            now = time.perf_counter()
-            if last is None:
-                result.ttft = now - started
-            else:
-                result.itl.append(now - last)
-            last = now
-            chunks += 1
-    if not result.ok:
-        result.error = "stream ended before [DONE]"
-    elif not result.usage_reported:
-        result.output_tokens = chunks
 
 
 def poisson_arrivals(count: int, rate: float, seed: int) -> list[float]:
@@ -189,21 +98,6 @@ async def run_at_concurrency(send: Send, bodies: list[dict], concurrency: int) -
     return results
 
 
-async def scrape(client: httpx.AsyncClient, endpoint: Endpoint, times: int) -> list[str]:
-    """`times` scrapes of /metrics (a load balancer sends each to one replica); failed ones are dropped."""
-    import httpx
-
-    texts = []
-    for _ in range(times):
-        try:
-            response = await client.get(endpoint.metrics, headers=endpoint.headers)
-        except httpx.HTTPError:
-            continue
-        if response.status_code == 200:
-            texts.append(response.text)
-    return texts
-
-
 def corpus_prompts(tokenizer_dir: Path, count: int, input_len: int, seed: int,
                    corpus: list[str] | None = None, held_out_percent: float = 5.0) -> list[list[int]]:
     """Held-out windows of the training corpus (default: this Python's stdlib, whose held-out files the
@@ -238,21 +132,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="requests/s, Poisson arrivals; one setting per value ('inf': all at once)")
     load.add_argument("--concurrency", type=int, nargs="+", metavar="C",
                       help="requests in flight; one setting per value")
-    parser.add_argument("--num-prompts", type=int, default=64, help="requests per setting (default: 64)")
+    parser.add_argument("--num-prompts", type=int, default=64, help="requests per pass (default: 64)")
     parser.add_argument("--prompts", choices=["corpus", "random"], default="corpus",
                         help="held-out corpus windows (default) or random token ids")
-    parser.add_argument("--input-len", type=int, default=64, help="prompt tokens (default: 64)")
-    parser.add_argument("--output-len", type=int, default=128, help="tokens per request (default: 128)")
+    add_workload_arguments(parser)
     parser.add_argument("--tokenizer-dir", help="directory of tokenizer.json (default: the demo target)")
     parser.add_argument("--corpus", nargs="+", metavar="PATH",
                         help="corpus roots for --prompts corpus (default: this Python's stdlib)")
     parser.add_argument("--held-out-percent", type=float, default=5.0, help="the corpus split (default: 5.0)")
-    parser.add_argument("--seed", type=int, default=0, help="prompts and arrivals (default: 0)")
+    parser.add_argument("--seed", type=int, default=0, help="prompts, lengths and arrivals (default: 0)")
     parser.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True,
                         help="stream (default); --no-stream measures E2E only")
+    parser.add_argument("--gap-threshold-ms", type=float, default=DEFAULT_GAP_THRESHOLD_MS,
+                        help="count the gaps between tokens longer than this, per pass (default: 250)")
     parser.add_argument("--metrics-url", help="Prometheus text (default: /metrics beside the API root)")
     parser.add_argument("--metrics-scrapes", type=int, default=8,
-                        help="scrapes before and after each setting, to see every replica (default: 8)")
+                        help="scrapes before and after each pass, to see every replica (default: 8)")
+    parser.add_argument("--metrics-counter", action="append", metavar="NAME",
+                        help="a /metrics counter (its sample name, e.g. X_total) reported as what each pass "
+                        "added, e.g. the server's kernel compilations; repeatable (default: none)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per request (default: 600)")
     parser.add_argument("--out", default=".", help="results directory (default: the current directory)")
     parser.add_argument("--name", default="serve", help="results file stem (default: serve)")
@@ -263,15 +161,20 @@ def check_args(args: argparse.Namespace) -> None:
     """Values argparse cannot check, each a one-line ValueError naming its flag."""
     if not re.match(r"^https?://[^/]", args.url):
         raise ValueError(f"--url: expected http(s)://host:port/v1, got {args.url!r}")
-    for flag, value, low in (("--num-prompts", args.num_prompts, 1), ("--input-len", args.input_len, 1),
-                             ("--output-len", args.output_len, 1),
+    for flag, value, low in (("--num-prompts", args.num_prompts, 1),
                              ("--metrics-scrapes", args.metrics_scrapes, 0)):
         if value < low:
             raise ValueError(f"{flag}: must be at least {low}, got {value}")
+    check_workload_args(args)
     if any(not rate > 0 for rate in args.request_rate or ()):
         raise ValueError(f"--request-rate: every rate must be > 0 (or inf), got {args.request_rate}")
     if any(level < 1 for level in args.concurrency or ()):
         raise ValueError(f"--concurrency: every level must be at least 1, got {args.concurrency}")
+    if not args.gap_threshold_ms > 0:
+        raise ValueError(f"--gap-threshold-ms: must be > 0, got {args.gap_threshold_ms}")
+    for name in args.metrics_counter or ():
+        if not re.fullmatch(r"[a-zA-Z_:][a-zA-Z0-9_:]*", name):
+            raise ValueError(f"--metrics-counter: expected a Prometheus sample name, got {name!r}")
     if args.api_key_file and not Path(args.api_key_file).is_file():
         raise ValueError(f"--api-key-file: no file {args.api_key_file}")
 
@@ -293,59 +196,97 @@ async def resolve_model(client: httpx.AsyncClient, endpoint: Endpoint) -> Endpoi
                          "is the server up? (or give --model)") from None
 
 
-async def run_setting(client: httpx.AsyncClient, endpoint: Endpoint, bodies: list[dict], mode: str,
-                      value: float, args: argparse.Namespace) -> dict:
-    """One rate or concurrency level: counters scraped around it, every request timed, summarized."""
+async def run_pass(client: httpx.AsyncClient, endpoint: Endpoint, bodies: list[dict], mode: str,
+                   value: float, args: argparse.Namespace, name: str) -> list[RequestResult]:
+    """Every body of one pass at the setting's rate (the same seeded arrivals each pass) or concurrency."""
     from tqdm import tqdm
 
-    from dflash_cli.bench.serve_report import acceptance, latest_counters, summarize_setting
-
-    before = latest_counters(await scrape(client, endpoint, args.metrics_scrapes), endpoint.model)
-    bar = tqdm(total=len(bodies), desc=f"{mode} {value:g}", unit="req", file=sys.stderr,
-               disable=not args.progress)
+    bar = tqdm(total=len(bodies), desc=name, unit="req", file=sys.stderr, disable=not args.progress)
 
     async def send(body: dict) -> RequestResult:
         result = await send_request(client, endpoint, body)
         bar.update()
         return result
 
-    started = time.perf_counter()
     if mode == "request_rate":
         results = await run_at_rate(send, bodies, value, args.seed)
     else:
         results = await run_at_concurrency(send, bodies, int(value))
-    duration = time.perf_counter() - started
     bar.close()
-    after = latest_counters(await scrape(client, endpoint, args.metrics_scrapes), endpoint.model)
-    accepted = acceptance(before, after) if before and after else None
-    return summarize_setting(mode, value, results, duration, accepted)
+    return results
 
 
-async def run_settings(client: httpx.AsyncClient, endpoint: Endpoint, prompts: list[list[int]],
+async def run_setting(client: httpx.AsyncClient, endpoint: Endpoint, bodies: list[dict], mode: str,
+                      value: float, args: argparse.Namespace) -> dict:
+    """One rate or concurrency level, one `new` pass of `bodies` (what bench/bench_serve_modes.py runs)."""
+    return await run_passes(client, endpoint, mode, value, [("new", bodies)], args, time.perf_counter())
+
+
+async def run_passes(client: httpx.AsyncClient, endpoint: Endpoint, mode: str, value: float,
+                     passes: list[tuple[str, list[dict]]], args: argparse.Namespace, origin: float) -> dict:
+    """One rate or concurrency level: its (kind, bodies) passes in order, /metrics scraped before the
+    first and after each (so each pass has its own acceptance and counters), every request timed, each
+    pass summarized and all of them pooled. `origin`: the run's start, the zero of the arrival times."""
+    from dflash_cli.bench.serve_report import (
+        acceptance_between,
+        counter_deltas,
+        summarize_pass,
+        summarize_setting,
+    )
+
+    # callers other than the CLI (bench/bench_serve_modes.py) pass a Namespace of the older flags only
+    names = getattr(args, "metrics_counter", None) or []
+    threshold_s = getattr(args, "gap_threshold_ms", DEFAULT_GAP_THRESHOLD_MS) / 1e3
+    first = before = await scrape(client, endpoint, args.metrics_scrapes)
+    summaries, pooled, duration = [], [], 0.0
+    for number, (kind, bodies) in enumerate(passes, 1):
+        name = setting_label(mode, value) + (f" pass {number} {kind}" if len(passes) > 1 else "")
+        started = time.perf_counter()
+        results = await run_pass(client, endpoint, bodies, mode, value, args, name)
+        ended = time.perf_counter()
+        after = await scrape(client, endpoint, args.metrics_scrapes)
+        summaries.append(summarize_pass(
+            number, kind, results, started=started, ended=ended, origin=origin, threshold_s=threshold_s,
+            accepted=acceptance_between(before, after, endpoint.model),
+            counters=counter_deltas(before, after, names, endpoint.model)))
+        pooled += results
+        duration += ended - started
+        before = after
+    return summarize_setting(mode, value, pooled, duration, acceptance_between(first, before, endpoint.model),
+                             summaries)
+
+
+async def run_settings(client: httpx.AsyncClient, endpoint: Endpoint, plan: RunPlan,
                        args: argparse.Namespace) -> dict:
-    """A warm-up request (not counted; a refused one stops the run with its reason), then every setting
-    in the order given, all with the same prompts."""
+    """The warm-up request unless --cold (not counted; a refused one stops the run with its reason),
+    then every setting in the order given, each with its passes."""
     endpoint = await resolve_model(client, endpoint)
-    bodies = [request_body(endpoint.model, prompt, args.output_len, args.stream) for prompt in prompts]
-    warmup = await send_request(client, endpoint, bodies[0])
-    if not warmup.ok:
-        raise ValueError(f"--url: the warm-up request to {endpoint.url} failed ({warmup.error})")
-    modes = [("request_rate", rate) for rate in args.request_rate or ()]
-    modes += [("concurrency", level) for level in args.concurrency or ()]
-    settings = [await run_setting(client, endpoint, bodies, mode, value, args) for mode, value in modes]
+    origin = time.perf_counter()
+
+    def body(prompt: Prompt) -> dict:
+        return request_body(endpoint.model, prompt.token_ids, prompt.max_tokens, args.stream)
+
+    if plan.warmup is not None:
+        warmup = await send_request(client, endpoint, body(plan.warmup))
+        if not warmup.ok:
+            raise ValueError(f"--url: the warm-up request to {endpoint.url} failed ({warmup.error})")
+    settings = []
+    for setting in plan.settings:
+        passes = [(one.kind, [body(prompt) for prompt in one.prompts]) for one in setting.passes]
+        settings.append(await run_passes(client, endpoint, setting.mode, setting.value, passes, args, origin))
     return {"url": endpoint.url, "model": endpoint.model, "settings": settings}
 
 
-async def _bench(endpoint: Endpoint, prompts: list[list[int]], args: argparse.Namespace) -> dict:
+async def _bench(endpoint: Endpoint, plan: RunPlan, args: argparse.Namespace) -> dict:
     import httpx
 
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)  # a rate has no cap
     async with httpx.AsyncClient(timeout=args.timeout, limits=limits) as client:
-        return await run_settings(client, endpoint, prompts, args)
+        return await run_settings(client, endpoint, plan, args)
 
 
 def run(args: argparse.Namespace) -> int:
-    """Check the flags, make the prompts, run every setting, write the results."""
+    """Check the flags, draw every prompt of the run, run every setting, write the results."""
     from dflash_cli.bench.serve_report import write_results
     from target_service.assembly.demo import demo_target_path
 
@@ -354,13 +295,14 @@ def run(args: argparse.Namespace) -> int:
     if not (tokenizer_dir / "tokenizer.json").is_file():
         raise ValueError(f"--tokenizer-dir: no tokenizer.json in {tokenizer_dir}")
     if args.prompts == "corpus":
-        prompts = corpus_prompts(tokenizer_dir, args.num_prompts, args.input_len, args.seed, args.corpus,
-                                 args.held_out_percent)
+        source = functools.partial(corpus_prompts, tokenizer_dir, corpus=args.corpus,
+                                   held_out_percent=args.held_out_percent)
     else:
-        prompts = random_prompts(tokenizer_dir, args.num_prompts, args.input_len, args.seed)
+        source = functools.partial(random_prompts, tokenizer_dir)
+    plan = plan_run(args, source)
     api_key = Path(args.api_key_file).read_text().strip() if args.api_key_file else None
     endpoint = Endpoint(args.url, args.model or "", api_key, args.metrics_url)
-    result = asyncio.run(_bench(endpoint, prompts, args))
+    result = asyncio.run(_bench(endpoint, plan, args))
     write_results(result, args, str(tokenizer_dir))
     return 0
 

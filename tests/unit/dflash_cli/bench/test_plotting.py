@@ -17,7 +17,8 @@ import pytest
 from tiers import ROOT
 
 from dflash_cli.bench import plotting, serve_report, step
-from dflash_cli.bench.serve_load import RequestResult
+from dflash_cli.bench.serve_load import add_arguments
+from dflash_cli.bench.serve_request import RequestResult
 
 PNG = b"\x89PNG"
 STEP_RESULT = {"name": "e2e", "device": "cpu", "torch": "-", "commit": "-", "date": "-", "command": "-",
@@ -37,8 +38,13 @@ def _skip_lines(caplog) -> list[str]:
 
 
 def _serve_args(out: Path) -> argparse.Namespace:
-    return argparse.Namespace(name="serve", out=str(out), prompts="random", num_prompts=2, input_len=4,
-                              output_len=4, seed=0, stream=True, command_line="dflash bench serve ...")
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--url", "http://127.0.0.1:1/v1", "--concurrency", "2", "--out", str(out),
+                              "--prompts", "random", "--num-prompts", "2", "--input-len", "4",
+                              "--output-len", "4"])
+    args.command_line = "dflash bench serve ..."
+    return args
 
 
 def test_without_matplotlib_pyplot_is_none_and_says_how_to_get_it(no_matplotlib, caplog, tmp_path):
@@ -81,15 +87,31 @@ def test_a_bench_module_without_matplotlib_redraws_the_markdown_and_names_the_pn
     assert len(_skip_lines(caplog)) == 1 and "serve_modes_h200_now.png skipped" in _skip_lines(caplog)[0]
 
 
+def _streamed_result() -> dict:
+    """One setting of two passes, each of two streamed requests (three chunks: two gaps each)."""
+    requests = [RequestResult(ok=True, sent_at=0.0, chunk_at=[0.02, 0.03, 0.3], e2e=0.3, output_tokens=4)] * 2
+    passes = [serve_report.summarize_pass(n, kind, requests, started=0.0, ended=0.3, origin=0.0,
+                                          threshold_s=0.25, accepted=None, counters={})
+              for n, kind in ((1, "new"), (2, "repeat"))]
+    setting = serve_report.summarize_setting("concurrency", 2, requests * 2, 0.6, None, passes)
+    return {"url": "http://127.0.0.1:1/v1", "model": "m", "settings": [setting]}
+
+
 def test_with_matplotlib_the_pngs_are_drawn(tmp_path):
     pytest.importorskip("matplotlib")
     step._save(STEP_RESULT, tmp_path, plot_too=True)
-    requests = [RequestResult(ok=True, ttft=0.02, itl=[0.01, 0.01], e2e=0.05, output_tokens=4)] * 2
-    setting = serve_report.summarize_setting("concurrency", 2, requests, 0.1, None)
-    result = {"url": "http://127.0.0.1:1/v1", "model": "m", "settings": [setting]}
-    serve_report.write_results(result, _serve_args(tmp_path), "tok")
+    serve_report.write_results(_streamed_result(), _serve_args(tmp_path), "tok")
     assert (tmp_path / "e2e.png").read_bytes().startswith(PNG)
     assert (tmp_path / "serve.png").read_bytes().startswith(PNG)
+    assert (tmp_path / "serve_gaps.png").read_bytes().startswith(PNG)
+
+
+def test_a_streamed_run_without_matplotlib_names_both_pngs_it_skipped(no_matplotlib, caplog, tmp_path):
+    with caplog.at_level(logging.WARNING, logger=plotting.__name__):
+        serve_report.write_results(_streamed_result(), _serve_args(tmp_path), "tok")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["serve.json", "serve.md"]
+    assert [line.split()[0] for line in _skip_lines(caplog)] == [str(tmp_path / "serve.png"),
+                                                                  str(tmp_path / "serve_gaps.png")]
 
 
 def _imports(path: Path) -> set[str]:

@@ -17,17 +17,14 @@ import numpy as np
 import pytest
 
 from dflash_cli.bench.serve_load import (
-    Endpoint,
-    RequestResult,
+    add_arguments,
     corpus_prompts,
     poisson_arrivals,
     random_prompts,
-    request_body,
     run_at_concurrency,
     run_at_rate,
     run_setting,
     run_settings,
-    send_request,
 )
 from dflash_cli.bench.serve_report import (
     acceptance,
@@ -38,6 +35,8 @@ from dflash_cli.bench.serve_report import (
     summarize_setting,
     write_results,
 )
+from dflash_cli.bench.serve_request import Endpoint, RequestResult, request_body, send_request
+from dflash_cli.bench.serve_workload import plan_run
 from target_service.assembly.demo import demo_target_path
 from target_service.serving.api import ServerHolder, create_app
 from target_service.serving.replica import Replica
@@ -95,14 +94,23 @@ def test_every_request_against_a_real_replica_is_measured_and_its_acceptance_is_
     assert added["mean_acceptance_length"] == pytest.approx(1 + added["accepted"] / added["drafts"])
 
 
+def cli_options(*flags: str) -> argparse.Namespace:
+    """Every flag of `dflash bench serve` at its default, then `flags`."""
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser.parse_args(["--url", URL, "--metrics-scrapes", "2", "--no-progress", *flags])
+
+
 def test_run_settings_names_the_model_warms_up_and_runs_each_rate(served, tmp_path):
     _, app = served
-    prompts = random_prompts(demo_target_path(), 4, 8, seed=1)
+    args = cli_options("--request-rate", "inf", "50", "--no-stream", "--num-prompts", "4", "--input-len", "8",
+                       "--output-len", str(OUTPUT_LEN), "--seed", "1", "--prompts", "random",
+                       "--name", "serve_test", "--out", str(tmp_path))
+    plan = plan_run(args, lambda count, length, seed: random_prompts(demo_target_path(), count, length, seed))
 
     async def main():
         async with asgi_client(app) as client:
-            return await run_settings(client, Endpoint(URL), prompts,
-                                      options(request_rate=[float("inf"), 50.0], stream=False))
+            return await run_settings(client, Endpoint(URL), plan, args)
 
     result = asyncio.run(main())
     assert result["model"] == "dflash-demo"  # from GET /v1/models
@@ -111,14 +119,15 @@ def test_run_settings_names_the_model_warms_up_and_runs_each_rate(served, tmp_pa
     for setting in result["settings"]:
         assert setting["completed"] == 4 and setting["output_tokens"] == 4 * OUTPUT_LEN
         assert setting["ttft_s"] is None and setting["e2e_s"]["count"] == 4  # no stream: E2E only
-    args = argparse.Namespace(name="serve_test", out=str(tmp_path), prompts="random", num_prompts=4,
-                              input_len=8, output_len=OUTPUT_LEN, seed=1, stream=False, command_line="x")
     doc = write_results(result, args, "tok")
     assert json.loads((tmp_path / "serve_test.json").read_text())["settings"] == json.loads(
         json.dumps(doc["settings"]))
     assert (tmp_path / "serve_test.png").stat().st_size > 0
+    assert not (tmp_path / "serve_test_gaps.png").exists()  # no stream, no gaps to draw
     table = [line for line in (tmp_path / "serve_test.md").read_text().splitlines() if line.startswith("| ")]
-    assert len(table) == 2 + 2 and table[2].startswith("| rate inf | 4/4 | 0 |")  # header, rule, rows
+    # two tables (settings, passes), each a header, a rule and one row per setting (one pass each)
+    assert len(table) == 2 * (2 + 2) and table[2].startswith("| rate inf | 4/4 | 0 |")
+    assert table[6].startswith("| rate inf | 1 new | 4/4 | 0 | - | - | - | - | - | 0 |")
 
 
 def test_corpus_prompts_are_held_out_windows_of_the_asked_length():
@@ -276,9 +285,9 @@ def test_a_replica_seen_on_one_side_only_is_left_out_and_named():
 
 
 def test_a_settings_summary_counts_failures_by_reason_and_throughput_over_its_wall_time():
-    done = dict(ok=True, output_tokens=5, usage_reported=True)
-    results = [RequestResult(ttft=0.1, itl=[0.02, 0.04], e2e=0.5, **done),
-               RequestResult(ttft=0.3, itl=[0.06], e2e=0.7, **done),
+    done = dict(ok=True, output_tokens=5, usage_reported=True, sent_at=10.0)
+    results = [RequestResult(chunk_at=[10.1, 10.12, 10.16], e2e=0.5, **done),  # TTFT 0.1, ITL 0.02, 0.04
+               RequestResult(chunk_at=[10.3, 10.36], e2e=0.7, **done),  # TTFT 0.3, ITL 0.06
                RequestResult(error="503", e2e=0.01), RequestResult(error="503", e2e=0.01),
                RequestResult(error="ReadTimeout", e2e=9.0)]
     setting = summarize_setting("concurrency", 2, results, 2.0, None)
@@ -289,6 +298,7 @@ def test_a_settings_summary_counts_failures_by_reason_and_throughput_over_its_wa
     assert setting["e2e_s"]["p50"] == pytest.approx(0.6)  # failed requests' times are left out
     doc = {"name": "n", "date": "d", "commit": "c", "command": "x", "url": URL, "model": "m", "client": "c",
            "num_prompts": 5, "prompts": "random", "input_len": 8, "output_len": 5, "stream": True, "seed": 0,
+           "passes": ["new"], "cold": False, "gap_threshold_ms": 250.0, "metrics_counters": [],
            "settings": [setting]}
     assert "| concurrency 2 | 2/5 | 2 x 503, 1 x ReadTimeout | 1.00 | 5.0 | 200.0 / 200.0 / 298.0 |" \
         in markdown(doc)
