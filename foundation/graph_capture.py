@@ -4,8 +4,10 @@ A capture is invalidated by any CUDA call the capturing stream may not make, fro
 collector runs whenever allocations pass its threshold, and a cycle it frees may hold an earlier
 engine's `CUDAGraph`, whose destructor resets the graph (not permitted while a capture is open): the
 capture fails with "operation failed due to a previous error during capture" in whatever kernel
-launches next. Seen on the H200 in one GPU test run of two, each time in another test. So garbage is
-collected before the capture and the collector is off during it.
+launches next. Seen on the H200 in one GPU test run of two, each time in another test; in the runs
+since this guard, not once. A deliberate reproduction (an old graph's cycle freed inside a capture)
+did not fail on the H200, so the mechanism above is the likely one, not a proven one. Garbage is
+collected before the capture and the collector is off during it either way.
 """
 
 from __future__ import annotations

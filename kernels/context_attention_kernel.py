@@ -136,7 +136,7 @@ def _fold_noise(acc, m_i, l_i, q, q_ptr, k_noise_ptr, v_noise_ptr, b64, kvh, row
                         noise_scale, 0.0, True, False, NOISE_COMPUTE, PRECISION, False)
 
 
-@triton.jit(do_not_specialize=["max_splits"],
+@triton.jit(do_not_specialize=["max_splits", "stride_bt", "stride_lr"],  # widths that vary step to step
             do_not_specialize_on_alignment=["block_table_ptr", "ctx_lens_ptr"])
 def _context_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, ctx_lens_ptr, k_noise_ptr, v_noise_ptr,
@@ -236,7 +236,7 @@ def _context_attention_kernel(
         tl.store(part_lse_ptr + prow * stride_lr + split * stride_ls, lse, mask=active)
 
 
-@triton.jit(do_not_specialize=["max_splits"], do_not_specialize_on_alignment=["ctx_lens_ptr"])
+@triton.jit(do_not_specialize=["max_splits", "stride_lr"], do_not_specialize_on_alignment=["ctx_lens_ptr"])
 def _context_merge_kernel(
     part_acc_ptr, part_lse_ptr, ctx_lens_ptr, out_ptr,
     num_q, max_splits, min_tokens_per_split,

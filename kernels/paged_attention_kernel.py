@@ -38,6 +38,11 @@ from kernels.split_kv import arrive_last, finalize_state, merge_partial_chunks, 
 # alignment class of each (seen on an H200: a new kernel for a block table or a scale at another
 # offset, seconds inside the step loop). Their loads are scalar or tiny, so the hint buys nothing.
 RUN_TIME_POINTERS = ["SplitLens", "Counters", "BlockTable", "SeqLens", "QueryStartLoc", "KScale", "VScale"]
+# Integers that change from step to step within one launch plan: Triton specialises an int on being 1
+# and on its divisibility by 16. The block table's width is the batch's longest sequence in pages (1 for
+# short ones: seen on an H200, a kernel compiled for each width class while serving), the partial
+# lse's row stride is the split count.
+RUN_TIME_INTEGERS = ["num_seqs", "max_splits", "min_tokens_per_split", "stride_bt", "stride_lse_row"]
 
 
 @triton.jit
@@ -190,8 +195,7 @@ def merge_lanes(acc, m_i, l_i):
     return tl.sum(acc * w[:, :, None], 0), m, tl.sum(l_i * w, 0)
 
 
-@triton.jit(do_not_specialize=["num_seqs", "max_splits", "min_tokens_per_split"],
-            do_not_specialize_on_alignment=RUN_TIME_POINTERS)
+@triton.jit(do_not_specialize=RUN_TIME_INTEGERS, do_not_specialize_on_alignment=RUN_TIME_POINTERS)
 def _paged_attention_kernel(
     Q, K, V, Out, PartAcc, PartLse, SplitLens, Counters,  #
     BlockTable, SeqLens, QueryStartLoc, KScale, VScale,  #

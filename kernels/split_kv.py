@@ -193,7 +193,7 @@ def merge_partial_tile(acc_ptr, lse_ptr, rows, row_mask, cols, col_mask,
                                 stride_acc_split, stride_lse_row, stride_lse_split, num_splits, 16)
 
 
-@triton.jit(do_not_specialize=["max_splits", "min_tokens_per_split", "num_rows"],
+@triton.jit(do_not_specialize=["max_splits", "min_tokens_per_split", "num_rows", "stride_lse_row"],
             do_not_specialize_on_alignment=["lens_ptr"])
 def _merge_partials_kernel(
     acc_ptr, lse_ptr, lens_ptr, out_ptr, out_lse_ptr, extra_acc_ptr, extra_lse_ptr,

@@ -1,14 +1,14 @@
 """collector_held: garbage from before is collected on entry, none is collected inside (however many
 allocations pass the collector's threshold), and the collector is restored after, an exception
-included. On a GPU, the cause it removes: an old CUDAGraph freed by the collector during a capture
-invalidates that capture; under collector_held the same capture succeeds."""
+included. (A GPU test that set out to break a capture by freeing an old graph inside it failed on
+an H200 in both of its forms, so what the guard removes is argued in foundation/graph_capture.py,
+not reproduced here.)"""
 
 import gc
 import random
 from typing import ClassVar
 
 import pytest
-import torch
 
 from foundation.graph_capture import collector_held
 
@@ -61,41 +61,3 @@ def test_the_collector_is_restored_as_it_was_even_after_an_error(enabled):
         assert gc.isenabled() is enabled
     finally:
         gc.enable()
-
-
-def _old_graph_in_a_cycle() -> list:
-    """A captured graph held by a reference cycle, itself held by the list returned: clearing the
-    list makes the graph garbage that only the collector frees."""
-    x = torch.zeros(16, device="cuda")
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        x.add_(1)
-    return [Finalized(0, payload=graph)]
-
-
-def _capture_with_churn(release) -> None:
-    """A capture during which the old graph becomes garbage and host allocations go on, as an engine's
-    capture does while an earlier engine's graphs wait for the collector."""
-    y = torch.zeros(16, device="cuda")
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        release()
-        for _ in range(50):
-            churn(200)
-            y.mul_(2)
-    graph.replay()
-    torch.cuda.synchronize()
-
-
-@pytest.mark.gpu
-def test_an_old_graph_collected_mid_capture_breaks_it_and_collector_held_prevents_it(low_threshold):
-    with pytest.raises(RuntimeError, match="capture"):
-        _capture_with_churn(_old_graph_in_a_cycle().clear)
-    assert 0 in Finalized.freed  # the collector ran inside the capture: that broke it
-    torch.cuda.synchronize()
-    Finalized.freed.clear()
-    with collector_held():
-        _capture_with_churn(_old_graph_in_a_cycle().clear)
-        assert Finalized.freed == []
-    gc.collect()
-    assert Finalized.freed == [0]
