@@ -46,7 +46,7 @@ def register(subparsers) -> None:
                         help="query rows one step runs: prefill chunks plus verifies (default: 2048)")
     parser.add_argument("--max-prefill-tokens-with-decodes", type=int,
                         help="prompt tokens a step prefills while streams decode beside it: the longest "
-                             "gap a long prompt puts in them (default: 512; 0: no cap, the step's budget)")
+                             "gap a long prompt puts in them (default, or 0: no cap: the step's budget)")
     parser.add_argument("--max-waiting", type=int, default=256, help="queued requests before 429")
     parser.add_argument("--drain-timeout", dest="drain_timeout_s", type=float, metavar="SECONDS",
                         help="on Ctrl-C or SIGTERM, how long requests in flight may run on before they "

@@ -12,7 +12,10 @@ from foundation.byte_size import parse_byte_size
 from foundation.device_name import check_device_name
 from foundation.validation_error import InvalidSetting
 
-DEFAULT_PREFILL_WITH_DECODES = 512
+# No cap by default: on the H200 (Qwen3-8B shapes, 6 target layers) a cap of 512 made a varied
+# workload 24% slower end to end with no shorter longest step (bench/results/compile_probe_h200_after.json);
+# what it does at 36 layers, where a 2,048-token chunk costs six times more, is not measured yet.
+DEFAULT_PREFILL_WITH_DECODES = None
 
 
 class EngineArgs(BaseModel):

@@ -36,7 +36,7 @@ def test_a_relative_compile_cache_is_made_absolute(tmp_path, monkeypatch):
     assert parsed("--compile-cache-dir", "kept").compile_cache_dir == os.path.join(str(tmp_path), "kept")
 
 
-@pytest.mark.parametrize("cap, expected", [(None, 512), ("0", None), ("64", 64)])
+@pytest.mark.parametrize("cap, expected", [(None, None), ("0", None), ("64", 64)])
 def test_the_prefill_budget_beside_decodes_reaches_the_engine(cap, expected):
     args = parsed(*(() if cap is None else ("--max-prefill-tokens-with-decodes", cap)),
                   "--max-num-batched-tokens", "1024")
