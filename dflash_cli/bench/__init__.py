@@ -2,9 +2,11 @@
 step, forwarded word for word to `python -m dflash_cli.bench.step`).
 
 The benches are product code of this package, one noun per module: `serve_load` (the load generator
-and its flags) and `serve_report` (its numbers and files); `step` (the step bench's method and parser),
-`step_report`, `step_timing`, `step_limits`, `hf_step`, `random_pair` (the random-weight checkpoints
-it times), `simulated_acceptance`; `plotting` (matplotlib, an optional extra).
+and its flags), `serve_request` (one timed request), `serve_workload` (lengths and passes),
+`serve_gaps`, `serve_report` (its numbers and files) and `serve_plots`; `step` (the step bench's
+method and parser), `step_report`, `step_timing`, `step_limits`, `hf_step`, `random_pair` (the
+random-weight checkpoints it times), `simulated_acceptance`, `varied_workload` (a randomised workload
+through an engine); `plotting` (matplotlib, an optional extra).
 
 `bench serve` takes its flags from `dflash_cli.bench.serve_load.add_arguments`, so both entry points
 parse the same flags; that module imports nothing heavy at the top. `bench step` owns no flags but
