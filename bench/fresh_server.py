@@ -1,0 +1,80 @@
+"""A fresh server as its first users meet it: `dflash serve`'s app over one replica (`bench.serve_in_process`)
+started in this process, timed to ready, then `dflash bench serve` from its very first request (no
+warm-up) through the passes of issue 31's table: new prompts of lengths drawn from a range, the same
+prompts again (prefix hits) twice, then new prompts of the same lengths; per pass p50/p99 TTFT and
+inter-token latency, the longest gap, gaps over 250 ms, and the kernels compiled while it ran.
+
+    python -m bench.fresh_server --mode plain|dflash --out DIR [--concurrency 8] [--num-prompts 48]
+        [--input-len 16-3000] [--output-len 128] [--kv-cache-dtype auto|fp8] [--max-num-seqs 32]
+        [--geometry qwen3-8b|tiny] [--device cuda|cpu] [--kv-cache-memory 24GiB]
+
+Run it in a process of its own with TRITON_CACHE_DIR pointing at an empty directory for the cold
+start (`bench/fresh_server_h200.sh` does). Writes DIR/<name>.json, .md and the gap plot (those of
+`dflash bench serve`), and DIR/<name>_startup.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from bench.bench_serve_modes import write_word_tokenizer
+from bench.serve_in_process import replica_server
+from dflash_cli.bench import serve_load
+from dflash_cli.bench.random_pair import write_random_pair
+from foundation.checkpoint_config import load_target_config
+from kernels.compile_watch import WATCH
+
+PASSES = ["new", "repeat", "repeat", "new"]
+COMPILES = "dflash:kernel_compilations_total"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mode", choices=["plain", "dflash"], required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--name", help="results stem (default: fresh_server_<mode>)")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[8])
+    parser.add_argument("--num-prompts", type=int, default=48)
+    parser.add_argument("--input-len", default="16-3000")
+    parser.add_argument("--output-len", default="128")
+    parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto")
+    parser.add_argument("--max-num-seqs", type=int, default=32)
+    parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--kv-cache-memory", default="24GiB")
+    parser.add_argument("--geometry", default="qwen3-8b", choices=["qwen3-8b", "tiny"])
+    parser.add_argument("--checkpoints", default="/tmp/dflash-e2e-pair")
+    parser.add_argument("--device", default="cuda")
+    args = parser.parse_args(argv)
+    name = args.name or f"fresh_server_{args.mode}"
+    dtype = "bfloat16" if args.device == "cuda" else "float32"
+    target, drafter = write_random_pair(Path(args.checkpoints), args.geometry, dtype=dtype)
+    write_word_tokenizer(target, load_target_config(target).vocab_size)
+    from target_service.serving.serve_args import ServeArgs
+
+    serve_args = ServeArgs(target=str(target), drafter=str(drafter) if args.mode == "dflash" else "none",
+                           device=args.device, dtype=dtype, kv_cache_dtype=args.kv_cache_dtype,
+                           max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+                           kv_cache_memory=args.kv_cache_memory, admin_port=None)
+    started = time.perf_counter()
+    with replica_server(serve_args) as (url, _replica):
+        ready_s = time.perf_counter() - started
+        startup = {"mode": args.mode, "ready_s": round(ready_s, 2),
+                   "compiled_at_startup": len(WATCH.compilations), "command": " ".join(sys.argv)}
+        print(json.dumps(startup), flush=True)
+        code = serve_load.main([
+            "--url", f"{url}/v1", "--cold", "--passes", *PASSES, "--concurrency",
+            *map(str, args.concurrency), "--num-prompts", str(args.num_prompts), "--prompts", "random",
+            "--tokenizer-dir", str(target), "--input-len", args.input_len, "--output-len", args.output_len,
+            "--metrics-counter", COMPILES, "--metrics-scrapes", "1", "--out", args.out, "--name", name,
+            "--no-progress"])
+        startup["compiled_while_serving"] = [WATCH.explain(built) for built in WATCH.after_ready]
+    (Path(args.out) / f"{name}_startup.json").write_text(json.dumps(startup, indent=1) + "\n")
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
