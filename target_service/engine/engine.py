@@ -22,8 +22,10 @@ registry.
 from __future__ import annotations
 
 import logging
+import time
+from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvpool_service.control import PoolControl, PoolLimits, PoolUsage
 from kvpool_service.errors import StaleEpoch, TransportError
@@ -49,6 +51,9 @@ class EngineCounters:
     num_dropped_ahead: int  # sequences whose step ahead was dropped (they finished the step before)
     num_preemptions: int  # sequences preempted (recompute), pool restarts included
     num_pool_recoveries: int  # steps that found the pool gone and moved onto its restarted self
+    # steps by the tokens they gave back (vLLM's iteration tokens): the prompt of each request whose
+    # first token came in the step, plus every token the step emitted
+    iteration_tokens: dict[int, int] = field(default_factory=dict)
 
 
 class LLMEngine:
@@ -69,7 +74,11 @@ class LLMEngine:
         self._num_steps = 0
         self._num_dropped_ahead = 0
         self._num_pool_recoveries = 0
+        self._iteration_tokens: Counter[int] = Counter()
         self.stats = SpecDecodeStats()  # engine-wide speculative counters
+        # on_scheduled(request_id, time.monotonic()): told of every prefill chunk a step schedules, in
+        # the engine's thread (the first call for a request is when it left the queue); None: no one
+        self.on_scheduled: Callable[[str, float], None] | None = None
 
     # ---- requests -------------------------------------------------------------------------------
 
@@ -181,7 +190,8 @@ class LLMEngine:
 
     def counters(self) -> EngineCounters:
         return EngineCounters(self._num_steps, self._runner.num_steps_ahead, self._num_dropped_ahead,
-                              self._scheduler.num_preemptions, self._num_pool_recoveries)
+                              self._scheduler.num_preemptions, self._num_pool_recoveries,
+                              dict(self._iteration_tokens))
 
     def reset_stats(self) -> SpecDecodeStats:
         """Start the engine-wide speculative counters afresh; returns the ones so far."""
@@ -220,7 +230,9 @@ class LLMEngine:
         launched = self._ahead or self._launch_scheduled()
         self._ahead = launched  # should launching the next one fail, the next call still reads this
         self._ahead = self._launch_ahead(launched) if self._async_scheduling else None
+        emitted = [len(seq.output_token_ids) for seq in launched.plan.seqs]
         finished = self._complete(launched)
+        self._iteration_tokens[_tokens_given_back(launched.plan.seqs, emitted)] += 1
         self._drop_stale_ahead()
         return finished
 
@@ -228,6 +240,10 @@ class LLMEngine:
         plan = self._scheduler.schedule()
         if plan.is_empty:
             raise RuntimeError("the scheduler found no work although requests are waiting")
+        if self.on_scheduled is not None:
+            now = time.monotonic()
+            for chunk in plan.prefills:
+                self.on_scheduled(chunk.seq.request_id, now)
         return self._runner.launch(plan)
 
     def _launch_ahead(self, current: LaunchedStep) -> LaunchedStep | None:
@@ -306,3 +322,13 @@ class LLMEngine:
             if reason:
                 seq.finish_reason = reason
                 return
+
+
+def _tokens_given_back(seqs: list[Sequence], emitted_before: list[int]) -> int:
+    """A step's tokens as vLLM counts an iteration's: each token emitted, plus the whole prompt of each
+    request that emitted its first token."""
+    total = 0
+    for seq, before in zip(seqs, emitted_before):
+        new = len(seq.output_token_ids) - before
+        total += new + (len(seq.prompt_token_ids) if new and not before else 0)
+    return total
