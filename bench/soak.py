@@ -98,7 +98,9 @@ async def drive(server: SoakServer, load: SoakLoad, clients: int, duration_s: fl
     async with httpx.AsyncClient(base_url=server.url, limits=limits) as http:
         team = [Client(index, http, load, prompts, seed, poisons) for index in range(clients)]
         deadline = t0 + duration_s
-        running = asyncio.gather(*(client.run(t0, deadline) for client in team))
+        first_round = {0: len(POISONS)}  # client 0 opens with one of each poison
+        running = asyncio.gather(*(client.run(t0, deadline, poisons_first=first_round.get(client.index, 0))
+                                   for client in team))
         await asyncio.wait_for(running, duration_s + END_GRACE_S)
     return [record for client in team for record in client.records], time.perf_counter() - deadline
 

@@ -91,10 +91,13 @@ class Client:
         self.rng = random.Random(seed * 1_000_003 + index)
         self.records: list[Record] = []
 
-    async def run(self, t0: float, deadline: float) -> None:
-        """Requests back to back until `deadline` (perf_counter); the last one runs to its end."""
+    async def run(self, t0: float, deadline: float, *, poisons_first: int = 0) -> None:
+        """Requests back to back until `deadline` (perf_counter); the last one runs to its end.
+        poisons_first: that many poisons before anything else, so a whole round of them is sent
+        however slowly the server answers (a loaded machine sent 6 of 9 in a 45 s soak)."""
         while time.perf_counter() < deadline:
             poisoned = self.role == "complete" and self.rng.random() < self.load.poison_rate
+            poisoned = poisoned or len(self.records) < poisons_first
             record = Record(self.index, "poison" if poisoned else self.role, time.perf_counter() - t0)
             if poisoned:
                 await self._poison(record)
