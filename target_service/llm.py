@@ -135,7 +135,9 @@ class LLM:
 
     def _output(self, prompt, seq: Sequence) -> RequestOutput:
         text = self.engine.output_text(seq)
-        completion = CompletionOutput(0, text, list(seq.output_token_ids), seq.finish_reason)
+        logprobs = list(seq.output_logprobs) if seq.output_logprobs is not None else None
+        completion = CompletionOutput(0, text, list(seq.output_token_ids), seq.finish_reason, logprobs)
+        prompt_logprobs = list(seq.prompt_logprobs) if seq.prompt_logprobs is not None else None
         return RequestOutput(seq.request_id, prompt if isinstance(prompt, str) else None,
                              list(seq.prompt_token_ids), [completion], seq.is_finished,
-                             seq.spec_decode.copy())
+                             seq.spec_decode.copy(), prompt_logprobs)

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 from kvpool_service.control import PoolControl, PoolLimits, PoolUsage
 from kvpool_service.errors import StaleEpoch, TransportError
-from target_service.engine.outputs import SpecDecodeStats
+from target_service.engine.outputs import SpecDecodeStats, TokenLogprob
 from target_service.engine.sampling_params import SamplingParams
 from target_service.engine.scheduler import Scheduler
 from target_service.engine.scheduler_output import DecodeWork, PrefillChunk
@@ -269,10 +269,11 @@ class LLMEngine:
         for i, work in enumerate(plan.decodes):
             if not work.seq.finish_reason:
                 self._isolated(work.seq, self._accept, work, max_accepted[i], tokens.accepted[i],
-                               tokens.decode_tokens[i])
-        for chunk, chunk_tokens in zip(plan.prefills, tokens.prefill_tokens):
+                               tokens.decode_tokens[i], _entry(tokens.decode_logprobs, i))
+        for i, (chunk, chunk_tokens) in enumerate(zip(plan.prefills, tokens.prefill_tokens)):
             if not chunk.seq.finish_reason:
-                self._isolated(chunk.seq, self._finish_prefill, chunk, chunk_tokens)
+                self._isolated(chunk.seq, self._finish_prefill, chunk, chunk_tokens,
+                               _entry(tokens.prefill_logprobs, i), _entry(tokens.prompt_logprobs, i))
         self._scheduler.commit([seq for seq in live if not seq.finish_reason])
         finished = [seq for seq in live if seq.finish_reason]
         self._scheduler.finish(finished)
@@ -299,29 +300,51 @@ class LLMEngine:
         if self._ahead is not None and all(seq.finish_reason for seq in self._ahead.plan.seqs):
             self._ahead = None
 
-    def _accept(self, work: DecodeWork, max_accepted: int, accepted: int, target_tokens: list[int]) -> None:
+    def _accept(self, work: DecodeWork, max_accepted: int, accepted: int, target_tokens: list[int],
+                logprobs: list[TokenLogprob] | None) -> None:
         """Commit one decode's verified rows: the bonus and `accepted` drafts; emit the target's
         tokens up to and including its first correction (or the token after the last draft)."""
         seq = work.seq
         self.stats.record(max_accepted, accepted)
         seq.spec_decode.record(max_accepted, accepted)
         seq.num_computed += accepted + 1
-        self._emit(seq, target_tokens[: accepted + 1])
+        self._emit(seq, target_tokens[: accepted + 1], logprobs)
 
-    def _finish_prefill(self, chunk: PrefillChunk, target_tokens: list[int]) -> None:
+    def _finish_prefill(self, chunk: PrefillChunk, target_tokens: list[int],
+                        logprobs: list[TokenLogprob] | None, prompt_logprobs: list[TokenLogprob] | None
+                        ) -> None:
+        """A chunk's positions are in the pages (a replayed chunk moves nothing back); the prompt
+        logprobs it computed join the request's; the last chunk of a new request emits its first
+        token."""
         seq = chunk.seq
-        seq.num_computed = chunk.start + chunk.num_tokens
+        positions = chunk.prompt_logprob_positions
+        if positions:
+            known, computed = len(seq.prompt_logprobs), len(prompt_logprobs or ())
+            if known != positions.start + 1 or computed != len(positions):
+                raise RuntimeError(f"request {seq.request_id}: prompt logprobs out of step with its prefill")
+            seq.prompt_logprobs.extend(prompt_logprobs)
+        seq.num_computed = max(seq.num_computed, chunk.start + chunk.num_tokens)
         if chunk.is_last and not seq.output_token_ids:
-            self._emit(seq, target_tokens)
+            self._emit(seq, target_tokens, logprobs)
 
-    def _emit(self, seq: Sequence, tokens: list[int]) -> None:
-        """Append emitted tokens one by one until a stop condition ends the request."""
-        for token in tokens:
+    def _emit(self, seq: Sequence, tokens: list[int], logprobs: list[TokenLogprob] | None) -> None:
+        """Append emitted tokens (and, for a request that asked, their logprobs) one by one until a
+        stop condition ends the request."""
+        if seq.output_logprobs is not None and (logprobs is None or len(logprobs) < len(tokens)):
+            raise RuntimeError(f"request {seq.request_id} asked for logprobs; the step returned none")
+        for i, token in enumerate(tokens):
             seq.output_token_ids.append(token)
+            if seq.output_logprobs is not None:
+                seq.output_logprobs.append(logprobs[i])
             reason = self._stop_checker.check(seq, self.max_model_len)
             if reason:
                 seq.finish_reason = reason
                 return
+
+
+def _entry(per_sequence, index: int):
+    """One sequence's entry of a StepTokens logprobs list; None when the step returned none."""
+    return per_sequence[index] if per_sequence else None
 
 
 def _tokens_given_back(seqs: list[Sequence], emitted_before: list[int]) -> int:

@@ -1,8 +1,25 @@
-"""What generation returns, shaped like vLLM's `RequestOutput`, plus speculative-decoding stats."""
+"""What generation returns, shaped like vLLM's `RequestOutput`, plus speculative-decoding stats and
+per-token log-probabilities."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """The target's log-probability of one token at its position, and the most likely tokens there.
+
+    top_token_ids, top_logprobs: the request's N most likely tokens at that position (N =
+    `SamplingParams.logprobs`, or `prompt_logprobs` for a prompt token), most likely first; the
+    token's own value is `logprob`, computed from the same row, so a greedy token's logprob equals
+    top_logprobs[0] exactly.
+    """
+
+    token_id: int
+    logprob: float
+    top_token_ids: tuple[int, ...] = ()
+    top_logprobs: tuple[float, ...] = ()
 
 
 @dataclass
@@ -13,6 +30,7 @@ class CompletionOutput:
     # "stop" (EOS, stop token or stop string), "length", "abort", or "error" (this request's own part
     # of a step failed; the others went on)
     finish_reason: str | None
+    logprobs: list[TokenLogprob] | None = None  # one per token id, when the request asked
 
 
 @dataclass
@@ -74,3 +92,5 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     spec_decode: SpecDecodeStats
+    # one per prompt token (the first None: nothing predicts it), when the request asked
+    prompt_logprobs: list[TokenLogprob | None] | None = None

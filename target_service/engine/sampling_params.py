@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 GREEDY_EPSILON = 1e-5
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # int64, as vLLM's API takes it
+MAX_LOGPROBS = 20  # most likely tokens returned beside each token (vLLM's default max_logprobs)
 
 
 class SamplingParams(BaseModel):
@@ -19,6 +22,13 @@ class SamplingParams(BaseModel):
     float (5e-324) keeps the most likely token; a top_k of V or more is off. Refused, in one line
     naming the field: temperature < 0, inf or NaN; top_p <= 0, > 1 or NaN; top_k 0 or < -1; a seed
     outside int64. There are no min_p or penalties to check.
+
+    Log-probabilities (vLLM's fields): `logprobs` N (0..MAX_LOGPROBS) returns, for every generated
+    token, the target's log-probability of it and the N most likely tokens at its position;
+    `prompt_logprobs` N the same for each prompt token after the first (a request that asks recomputes
+    its prompt's positions even where the prefix cache holds them). `logprobs_mode` "raw" (the default,
+    vLLM's `raw_logprobs`) is log_softmax of the target's logits; "processed" is the log of the
+    distribution the sampler draws from (temperature, top-k and top-p applied; one-hot when greedy).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -31,6 +41,9 @@ class SamplingParams(BaseModel):
     stop_token_ids: list[int] = Field(default_factory=list)
     ignore_eos: bool = False
     seed: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    logprobs_mode: Literal["raw", "processed"] = "raw"
 
     def __init__(self, max_tokens: int = 16, **fields):
         super().__init__(max_tokens=max_tokens, **fields)

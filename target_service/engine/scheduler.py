@@ -87,9 +87,9 @@ class Scheduler:
             budget = min(budget, self.max_prefill_tokens_with_decodes)
         for seq in self.running:
             if seq.is_prefilling and budget > 0:
-                chunk = min(budget, seq.prefill_len - seq.num_computed)
-                out.prefills.append(PrefillChunk(seq, seq.num_computed, chunk))
-                budget -= chunk
+                chunk = PrefillChunk.next_of(seq, budget)
+                out.prefills.append(chunk)
+                budget -= chunk.num_tokens
         if not out.preempted:
             out.prefills += self._admit(budget)
         return out
@@ -179,10 +179,10 @@ class Scheduler:
             seq.num_cached_tokens = seq.num_computed = seq.num_context = result.num_cached_tokens
             seq.num_pool_known_tokens = seq.prefill_len
             self.running.append(seq)
-            chunk = min(budget, seq.prefill_len - seq.num_computed)
-            if chunk > 0:
-                chunks.append(PrefillChunk(seq, seq.num_computed, chunk))
-                budget -= chunk
+            if budget > 0:
+                chunk = PrefillChunk.next_of(seq, budget)
+                chunks.append(chunk)
+                budget -= chunk.num_tokens
         return chunks
 
     def _open(self, candidates: list[Sequence]) -> list:

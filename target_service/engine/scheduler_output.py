@@ -9,11 +9,26 @@ from target_service.engine.sequence import Sequence
 
 @dataclass(frozen=True)
 class PrefillChunk:
-    """Positions start .. start+num_tokens-1 of `seq` go through the target this step."""
+    """Positions start .. start+num_tokens-1 of `seq` go through the target this step.
+
+    The first `num_replayed` of them are in the pages already (below `seq.num_computed`): they run
+    again only for the logits a prompt logprob needs, and store nothing. `prompt_logprob_positions`:
+    the positions whose logits give a prompt token's logprob (`Sequence.prompt_logprob_positions`).
+    """
 
     seq: Sequence
     start: int
     num_tokens: int
+    num_replayed: int = 0
+    prompt_logprob_positions: range = range(0)
+
+    @classmethod
+    def next_of(cls, seq: Sequence, budget: int) -> PrefillChunk:
+        """`seq`'s next chunk, at most `budget` tokens, from `Sequence.prefill_start`."""
+        start = seq.prefill_start
+        num_tokens = min(budget, seq.prefill_len - start)
+        return cls(seq, start, num_tokens, max(0, min(seq.num_computed - start, num_tokens)),
+                   seq.prompt_logprob_positions(start, start + num_tokens))
 
     @property
     def is_last(self) -> bool:

@@ -15,7 +15,8 @@ Who writes what:
 | seq_index, block_table, num_cached_tokens | Scheduler, from the pool's open / reserve         |
 | output_token_ids, num_computed,         | LLMEngine (after each step)                       |
 | num_pool_known_tokens, finish_reason,   |                                                   |
-| spec_decode (the request's counters)    |                                                   |
+| spec_decode (the request's counters),   |                                                   |
+| output_logprobs, prompt_logprobs        |                                                   |
 | has_context                             | ModelRunner (False when the drafter misses a step) |
 | generator                               | LLMEngine (at add_request, from the runner)       |
 
@@ -25,6 +26,13 @@ The runner reads a sequence to build the step's tensors; it writes only `has_con
 drafter then holds no context for that step's positions, so the sequence decodes plainly (verifies
 no drafts) until it is recomputed from its prefix; `num_context` stays where the context ends, so
 the pool never caches a block whose draft context was not written.
+
+Log-probabilities, for a request that asks (`SamplingParams.logprobs`, `prompt_logprobs`; None
+otherwise): `output_logprobs[i]` is output token i's, `prompt_logprobs[i]` prompt token i's (the first
+None: nothing predicts it). Prompt token i's comes from the logits at position i - 1, so a request
+whose prompt logprobs are not all in prefills from the first position that still needs logits
+(`prefill_start`), even below `num_computed`: those positions are in the pages already (a prefix-cache
+hit, or a recompute) and run again for their logits only, storing nothing.
 """
 
 from __future__ import annotations
@@ -34,7 +42,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from target_service.engine.outputs import SpecDecodeStats
+from target_service.engine.outputs import SpecDecodeStats, TokenLogprob
 from target_service.engine.sampling_params import SamplingParams
 
 
@@ -64,6 +72,14 @@ class Sequence:
     num_preemptions: int = 0
     has_context: bool = True  # the drafter holds context for every computed position
     num_context: int = 0  # positions whose draft context the pool has been told is stored
+    output_logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+
+    def __post_init__(self):
+        if self.params.logprobs is not None and self.output_logprobs is None:
+            self.output_logprobs = []
+        if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = [None]
 
     @property
     def token_ids(self) -> list[int]:
@@ -86,6 +102,20 @@ class Sequence:
     @property
     def is_prefilling(self) -> bool:
         return self.num_computed < self.prefill_len
+
+    @property
+    def prefill_start(self) -> int:
+        """Where the next prefill chunk starts: num_computed, or the first position whose logits a
+        prompt logprob still needs, when that is earlier."""
+        positions = self.prompt_logprob_positions(0, self.num_computed)
+        return positions.start if positions else self.num_computed
+
+    def prompt_logprob_positions(self, start: int, end: int) -> range:
+        """The positions in start..end-1 whose logits give a prompt token's logprob not yet known
+        (position p gives prompt token p + 1's)."""
+        if self.prompt_logprobs is None:
+            return range(0)
+        return range(max(start, len(self.prompt_logprobs) - 1), min(end, len(self.prompt_token_ids) - 1))
 
     @property
     def bonus_token(self) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+from target_service.engine.outputs import TokenLogprob
 from target_service.engine.scheduler_output import SchedulerOutput
 
 
@@ -24,11 +25,19 @@ class LaunchedStep(Protocol):
 
 @dataclass(frozen=True)
 class StepTokens:
-    """A launched step's results on the host, per scheduled sequence in plan order."""
+    """A launched step's results on the host, per scheduled sequence in plan order.
+
+    The logprobs lists are empty when no request of the step asked; an entry is None for a sequence
+    that did not ask.
+    """
 
     decode_tokens: list[list[int]]  # per decode: the target's token at each of its logits rows
     accepted: list[int]  # per decode: drafts accepted
     prefill_tokens: list[list[int]]  # per prefill chunk: the target's token at its logits row, if any
+    decode_logprobs: list[list[TokenLogprob] | None] = ()  # per decode: those tokens' logprobs
+    prefill_logprobs: list[list[TokenLogprob] | None] = ()  # per prefill chunk: the same
+    # per prefill chunk: the logprobs of the prompt tokens after its `prompt_logprob_positions`
+    prompt_logprobs: list[list[TokenLogprob] | None] = ()
 
 
 class StepRunner(Protocol):

@@ -14,6 +14,7 @@ import torch
 
 from foundation.host_transfer import to_device
 from foundation.tensor_checks import ANY_INT, KERNEL_INT, check_int_tensor
+from kernels import PAD_SLOT
 
 
 def _check_int(name: str, tensor, dim: int, dtypes=ANY_INT) -> None:
@@ -86,7 +87,9 @@ class SeqChunk:
 
     block_table covers at least positions 0..start+len(token_ids)-1. The last `num_logits` rows get
     logits (1 for a decode or the final prefill chunk, len for a verify block, 0 for an inner
-    prefill chunk); the last `num_taps` rows get tapped hidden states.
+    prefill chunk, more for a chunk whose prompt logprobs are asked); the last `num_taps` rows get
+    tapped hidden states. The first `num_replayed` rows are in the pages already: they run (for their
+    logits) but store nothing (slot PAD_SLOT), so the pages they read stay as they are.
     """
 
     token_ids: Sequence[int]
@@ -94,6 +97,7 @@ class SeqChunk:
     block_table: Sequence[int]
     num_logits: int = 1
     num_taps: int = 0
+    num_replayed: int = 0
 
     def __post_init__(self):
         count = len(self.token_ids)
@@ -101,7 +105,7 @@ class SeqChunk:
             raise ValueError("SeqChunk.token_ids is empty; a chunk schedules at least one token")
         if self.start < 0:
             raise ValueError(f"SeqChunk.start must be >= 0, got {self.start}")
-        for name in ("num_logits", "num_taps"):
+        for name in ("num_logits", "num_taps", "num_replayed"):
             if not 0 <= getattr(self, name) <= count:
                 raise ValueError(f"SeqChunk.{name} must be in 0..{count}, got {getattr(self, name)}")
 
@@ -122,10 +126,12 @@ def pack(
                 f"need {-(-end // tokens_per_block)} of {tokens_per_block} tokens"
             )
         ids.extend(chunk.token_ids)
+        stored_from = chunk.start + chunk.num_replayed
         for pos in range(chunk.start, end):
             positions.append(pos)
             block = chunk.block_table[pos // tokens_per_block]
-            slots.append(block * tokens_per_block + pos % tokens_per_block)
+            slot = block * tokens_per_block + pos % tokens_per_block
+            slots.append(slot if pos >= stored_from else PAD_SLOT)
         logits_rows.extend(range(len(ids) - chunk.num_logits, len(ids)))
         tap_rows.extend(range(len(ids) - chunk.num_taps, len(ids)))
         starts.append(len(ids))

@@ -36,6 +36,7 @@ from target_service.engine.step_runner import StepTokens
 from target_service.runner.context_rows import SeqTaps, select_context_rows
 from target_service.runner.cuda_graphs import GraphKey, TargetGraphs
 from target_service.runner.forward_batch import ForwardBatch, pack
+from target_service.runner.logprobs import StepLogprobs, gather_logprobs, plan_logprob_rows
 from target_service.runner.sampling import choose_tokens
 from target_service.runner.step_layout import Rows, scheduled_layout, uniform_layout
 from target_service.runner.uniform_step import next_inputs, uniform_decode_batch
@@ -56,6 +57,7 @@ class LaunchedStep:
     accepted: torch.Tensor | None  # accepted drafts per decode; None: no drafts in the step
     readback: HostReadback  # targets then accepted, on their way to the host
     failed: dict[int, Exception] = field(default_factory=dict)  # seq_id -> why its sampling failed
+    logprobs: StepLogprobs | None = None  # the asking requests' logprobs, on their way; None: nobody asked
 
 
 class ModelRunner:
@@ -143,14 +145,23 @@ class ModelRunner:
         return self._launch(plan, [num_verified] * len(seqs), None, rows, batch, verify)
 
     def read(self, launched: LaunchedStep) -> StepTokens:
-        """Wait for a launched step's tokens and accepted lengths (one read) and hand them out."""
+        """Wait for a launched step's tokens and accepted lengths (one read; a second for the
+        logprobs, when a request asked) and hand them out."""
         values = launched.readback.tolist()
         num_targets, plan, rows = launched.targets.shape[0], launched.plan, launched.rows
         targets, accepted = values[:num_targets], values[num_targets:]
+        logprobs = launched.logprobs.read() if launched.logprobs is not None else {}
+
+        def per_seq(seqs: list[Sequence], kind: str) -> list | tuple:
+            return [logprobs.get((seq.seq_id, kind)) for seq in seqs] if logprobs else ()
+
+        decodes, prefills = [work.seq for work in plan.decodes], [chunk.seq for chunk in plan.prefills]
         return StepTokens(
-            decode_tokens=[targets[rows[work.seq.seq_id].logits] for work in plan.decodes],
+            decode_tokens=[targets[rows[seq.seq_id].logits] for seq in decodes],
             accepted=accepted or [0] * len(plan.decodes),
-            prefill_tokens=[targets[rows[chunk.seq.seq_id].logits] for chunk in plan.prefills])
+            prefill_tokens=[targets[rows[seq.seq_id].logits] for seq in prefills],
+            decode_logprobs=per_seq(decodes, "output"), prefill_logprobs=per_seq(prefills, "output"),
+            prompt_logprobs=per_seq(prefills, "prompt"))
 
     def _launch(self, plan: SchedulerOutput, verified: list[int], max_accepted: list[int] | None,
                 rows: dict[int, Rows], batch: ForwardBatch, verify: DeviceDraftIndex | None) -> LaunchedStep:
@@ -161,8 +172,10 @@ class ModelRunner:
         targets, failed = self._target_tokens(output.logits, plan.seqs, rows)
         accepted = verify.accepted_lengths(drafts, targets) if verify else None
         readback = HostReadback(targets if accepted is None else torch.cat([targets, accepted]))
+        logprob_rows = plan_logprob_rows(plan, rows)  # outside any graph: from the logits it returned
+        logprobs = gather_logprobs(output.logits, targets, logprob_rows) if logprob_rows else None
         self._store_context(batch, output.taps, plan, rows, accepted)
-        return LaunchedStep(plan, verified, max_accepted, rows, targets, accepted, readback, failed)
+        return LaunchedStep(plan, verified, max_accepted, rows, targets, accepted, readback, failed, logprobs)
 
     # ---- the drafter ------------------------------------------------------------------------------
 

@@ -40,6 +40,21 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     torch.Tensor
         [N, V] float32.
     """
+    weights = _log_weights(logits, params).exp()  # exp(-inf) = 0: the filtered tokens weigh nothing
+    return weights / weights.sum(dim=-1, keepdim=True)
+
+
+def filtered_logprobs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The log of `filter_logits`' distribution [N, V] float32 (-inf: filtered out), from the same
+    weights, in log space: log_softmax of the temperature-scaled logits over the tokens top-k and
+    top-p keep. Greedy: 0 at the top token (log 1/k at a k-way tie), -inf elsewhere."""
+    scores = _log_weights(logits, params)
+    return scores - scores.logsumexp(dim=-1, keepdim=True)
+
+
+def _log_weights(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """log of the unnormalised sampling weights [N, V] float32: (x - top) / T over the tokens
+    top-k and top-p keep (exactly 0 at the top token), -inf elsewhere."""
     x = logits.float().nan_to_num(nan=float("-inf"), posinf=FP32_MAX, neginf=float("-inf"))
     if 0 < params.top_k < x.shape[-1]:  # on the logits: a temperature never reorders them
         kth = x.topk(params.top_k, dim=-1).values[..., -1:]
@@ -47,10 +62,10 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     top = x.max(dim=-1, keepdim=True).values
     temperature = min(params.temperature, FP32_MAX)  # as fp32, 1e300 would be inf and -inf / inf NaN
     # (x - top) / T <= 0, exactly 0 at the top: exp cannot overflow, and the top token weighs 1
-    weights = torch.where(x >= top, 0.0, (x - top) / temperature).exp()
+    scores = torch.where(x >= top, 0.0, (x - top) / temperature)
     if params.top_p < 1.0:
-        weights = weights * _nucleus(weights, x, params.top_p)
-    return weights / weights.sum(dim=-1, keepdim=True)
+        scores = scores.masked_fill(~_nucleus(scores.exp(), x, params.top_p), float("-inf"))
+    return scores
 
 
 def _nucleus(weights: torch.Tensor, x: torch.Tensor, top_p: float) -> torch.Tensor:

@@ -9,7 +9,7 @@ step launched ahead builds on the device (`uniform_layout`: B decodes of the sam
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from target_service.engine.scheduler_output import SchedulerOutput
 from target_service.engine.sequence import Sequence
@@ -19,10 +19,13 @@ from target_service.runner.verify import DraftIndex
 
 @dataclass(frozen=True)
 class Rows:
-    """Where one sequence's rows landed in the packed forward."""
+    """Where one sequence's rows landed in the packed forward: `logits` the rows whose token the step
+    chooses (a verify block, a new request's last prompt row), `prompt` the rows just before them
+    whose logits give prompt logprobs (`PrefillChunk.prompt_logprob_positions`)."""
 
     logits: slice
     taps: slice
+    prompt: slice = field(default_factory=lambda: slice(0, 0))
 
 
 def scheduled_layout(plan: SchedulerOutput, verified: list[int], max_accepted: list[int], *, taps: bool,
@@ -42,15 +45,23 @@ def scheduled_layout(plan: SchedulerOutput, verified: list[int], max_accepted: l
                          logit_row=logit_row, max_accepted=counted)
         source_row += num_verified > 0  # the drafter's rows: the decodes that draft, in order
         logit_row, input_row = logit_row + num_rows, input_row + num_rows
+    num_prompt = [0] * len(plan.decodes)
     for chunk in plan.prefills:
-        seq = chunk.seq
-        tokens = seq.token_ids[chunk.start: chunk.start + chunk.num_tokens]
+        seq, end = chunk.seq, chunk.start + chunk.num_tokens
+        tokens = seq.token_ids[chunk.start: end]
         wants_logits = int(chunk.is_last and not seq.output_token_ids)
-        chunks.append(SeqChunk(tokens, chunk.start, seq.block_table, wants_logits, len(tokens) * taps))
+        positions = chunk.prompt_logprob_positions
+        if positions and positions.stop != end - wants_logits:  # the logits rows are the chunk's last
+            raise RuntimeError(f"prompt logprob positions {positions} are not the rows before the last "
+                               f"{wants_logits} of a chunk ending at {end}")
+        num_prompt.append(len(positions))
+        chunks.append(SeqChunk(tokens, chunk.start, seq.block_table, len(positions) + wants_logits,
+                               len(tokens) * taps, chunk.num_replayed))
     rows, logit_row, tap_row = {}, 0, 0
-    for chunk, seq in zip(chunks, plan.seqs):
-        rows[seq.seq_id] = Rows(slice(logit_row, logit_row + chunk.num_logits),
-                                slice(tap_row, tap_row + chunk.num_taps))
+    for chunk, seq, prompt in zip(chunks, plan.seqs, num_prompt):
+        rows[seq.seq_id] = Rows(slice(logit_row + prompt, logit_row + chunk.num_logits),
+                                slice(tap_row, tap_row + chunk.num_taps),
+                                slice(logit_row, logit_row + prompt))
         logit_row += chunk.num_logits
         tap_row += chunk.num_taps
     return chunks, rows, index
