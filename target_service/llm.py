@@ -129,9 +129,10 @@ class LLM:
 
     @staticmethod
     def _result_output(prompt, prompt_ids: list[int], result) -> RequestOutput:
-        completion = CompletionOutput(0, result.text, list(result.token_ids), result.finish_reason)
+        completion = CompletionOutput(0, result.text, list(result.token_ids), result.finish_reason,
+                                      result.logprobs)
         return RequestOutput(result.request_id, prompt if isinstance(prompt, str) else None, list(prompt_ids),
-                             [completion], True, result.spec_decode)
+                             [completion], True, result.spec_decode, result.prompt_logprobs)
 
     def _output(self, prompt, seq: Sequence) -> RequestOutput:
         text = self.engine.output_text(seq)

@@ -40,7 +40,7 @@ from target_service.assembly.plan import EnginePlan
 from target_service.engine.async_engine import AsyncEngine
 from target_service.engine.engine import POOL_GONE, LLMEngine
 from target_service.engine.engine_client import EngineDead
-from target_service.engine.outputs import SpecDecodeStats
+from target_service.engine.outputs import SpecDecodeStats, TokenLogprob
 from target_service.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -79,6 +79,8 @@ class GenerationResult:
     finish_reason: str | None
     num_prompt_tokens: int
     spec_decode: SpecDecodeStats = field(default_factory=SpecDecodeStats)
+    logprobs: list[TokenLogprob] | None = None  # one per token id, when the request asked
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 class TargetService:
@@ -219,13 +221,17 @@ class TargetService:
         """Run one request to completion; cancelling the call aborts it (its pages are freed)."""
         if self.async_engine is None:
             raise EngineDead("the target service has not started: its pool is not up yet")
-        token_ids, text, last = [], [], None
+        token_ids, text, last, logprobs, prompt_logprobs = [], [], None, None, None
         async for delta in self.async_engine.generate(prompt_token_ids, params, request_id):
             token_ids += delta.token_ids
             text.append(delta.text)
+            if delta.logprobs is not None:
+                logprobs = (logprobs or []) + delta.logprobs
+            prompt_logprobs = prompt_logprobs or delta.prompt_logprobs
             last = delta
         return GenerationResult(last.request_id, token_ids, "".join(text), last.finish_reason,
-                                last.num_prompt_tokens, last.spec_decode or SpecDecodeStats())
+                                last.num_prompt_tokens, last.spec_decode or SpecDecodeStats(), logprobs,
+                                prompt_logprobs)
 
     async def stream(self, prompt_token_ids: list[int], params: SamplingParams,
                      request_id: str | None = None):

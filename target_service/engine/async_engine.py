@@ -45,6 +45,7 @@ class _Tracked:
     seq: object = None
     sent_tokens: int = 0
     sent_text: str = ""
+    sent_prompt_logprobs: bool = False
     params: SamplingParams | None = field(default=None)
 
 
@@ -202,6 +203,7 @@ class AsyncEngine:
                              finished=seq.finish_reason is not None, finish_reason=seq.finish_reason,
                              num_prompt_tokens=len(seq.prompt_token_ids),
                              num_output_tokens=len(seq.output_token_ids))
+        self._add_logprobs(delta, seq, tracked)
         if delta.finished:
             delta.spec_decode = seq.spec_decode.copy()
             self.engine.release(request_id)
@@ -209,15 +211,28 @@ class AsyncEngine:
         tracked.sent_text += new_text
         return delta
 
+    @staticmethod
+    def _add_logprobs(delta: RequestDelta, seq, tracked: _Tracked) -> None:
+        """The logprobs of the delta's tokens, and the prompt's once (a request that asked)."""
+        first = tracked.sent_tokens
+        if seq.output_logprobs is not None:
+            delta.logprobs = list(seq.output_logprobs[first: first + len(delta.token_ids)])
+        first_with_tokens = delta.token_ids or delta.finished
+        if seq.prompt_logprobs is not None and not tracked.sent_prompt_logprobs and first_with_tokens:
+            delta.prompt_logprobs = list(seq.prompt_logprobs)
+            tracked.sent_prompt_logprobs = True
+
     def _failed(self, request_id: str, tracked: _Tracked) -> RequestDelta:
         """The last delta of a request whose publishing failed: it leaves the engine (an unfinished
         one is aborted, which frees its pages) and ends with "error"."""
         if self.engine.has_request(request_id):
             self.engine.abort(request_id, reason="error")
         seq = tracked.seq
-        return RequestDelta(request_id, list(seq.output_token_ids[tracked.sent_tokens:]), "", finished=True,
-                            finish_reason="error", num_prompt_tokens=len(seq.prompt_token_ids),
-                            num_output_tokens=len(seq.output_token_ids), spec_decode=seq.spec_decode.copy())
+        delta = RequestDelta(request_id, list(seq.output_token_ids[tracked.sent_tokens:]), "", finished=True,
+                             finish_reason="error", num_prompt_tokens=len(seq.prompt_token_ids),
+                             num_output_tokens=len(seq.output_token_ids), spec_decode=seq.spec_decode.copy())
+        self._add_logprobs(delta, seq, tracked)
+        return delta
 
 
 def _held_back(text: str, params: SamplingParams) -> int:

@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-from target_service.engine.outputs import SpecDecodeStats
+from target_service.engine.outputs import SpecDecodeStats, TokenLogprob
 from target_service.engine.sampling_params import SamplingParams
 
 
@@ -29,7 +29,12 @@ class EngineDead(RuntimeError):
 
 @dataclass
 class RequestDelta:
-    """What one request gained in one step (the last one has `finished` set and the totals)."""
+    """What one request gained in one step (the last one has `finished` set and the totals).
+
+    For a request that asked: `logprobs`, one per token id of this delta; `prompt_logprobs`, the
+    prompt's (the first None), on the first delta that carries a token (or the last, if none does).
+    Plain data: across the Ray services it is pickled as it is.
+    """
 
     request_id: str
     token_ids: list[int]
@@ -39,6 +44,8 @@ class RequestDelta:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     spec_decode: SpecDecodeStats | None = None
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass(frozen=True)

@@ -126,6 +126,41 @@ def test_preemption_under_a_small_pool_stays_equal(ray_local, pair):
         services.close()
 
 
+def test_logprobs_cross_the_ray_trio_as_the_in_process_engine_computes_them(ray_local, pair):
+    """Whole results and streamed deltas (RemoteEngine, as a served replica reads them) carry the same
+    logprobs, the prompt's included, as the in-process engine over the same checkpoints."""
+    import asyncio
+
+    from target_service.assembly.remote_engine import RemoteEngine
+
+    target, drafter = pair
+    prompts = random_prompts(2, VOCAB, low=5, high=30)
+    params = [greedy(12).model_copy(update=dict(logprobs=3, prompt_logprobs=2))] * len(prompts)
+    llm = LLM(str(target), str(drafter), **SETTINGS)
+    expected = llm.generate(prompts, params)
+    llm.close()
+    services = start_trio(target, drafter, **SETTINGS)
+
+    async def streamed(engine, prompt):
+        deltas = [delta async for delta in engine.generate(prompt, params[0])]
+        return [entry for delta in deltas for entry in delta.logprobs], deltas[0].prompt_logprobs
+
+    try:
+        results = services.generate(prompts, params)
+        remote = RemoteEngine(services, max_num_seqs=SETTINGS["max_num_seqs"])
+        deltas = asyncio.run(streamed(remote, prompts[0]))
+    finally:
+        services.close()
+    for result, out in zip(results, expected):
+        assert result.token_ids == out.outputs[0].token_ids
+        for got, want in zip(result.logprobs + result.prompt_logprobs[1:],
+                             out.outputs[0].logprobs + out.prompt_logprobs[1:]):
+            assert got.token_id == want.token_id and got.top_token_ids == want.top_token_ids
+            assert got.logprob == pytest.approx(want.logprob, abs=1e-5)
+    assert [entry.token_id for entry in deltas[0]] == expected[0].outputs[0].token_ids
+    assert len(deltas[1]) == len(prompts[0]) and deltas[1][0] is None
+
+
 def test_three_processes_map_one_pool(ray_local, pair):
     target, drafter = pair
     services = start_trio(target, drafter, **SETTINGS)
