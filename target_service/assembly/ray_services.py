@@ -283,6 +283,10 @@ class RayServices:
     def snapshot(self) -> dict:
         return self._ask(self.target.snapshot)
 
+    def counters(self):
+        """The target engine's `EngineCounters`."""
+        return self._ask(self.target.counters)
+
     def generate(self, prompts: Sequence[list[int]], params: Sequence[SamplingParams]
                  ) -> list[GenerationResult]:
         for ids, p in zip(prompts, params):  # refuse the whole call before anything runs

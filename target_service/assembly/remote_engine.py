@@ -6,6 +6,9 @@ trio: a request is one Ray streaming-generator call on the target actor, its del
 engine emits them; closing the stream early (a client that went away) cancels the call, which aborts
 the request in the target's engine and frees its pages. The HTTP contract does not change.
 
+The target sends, before a request's first delta, when its engine first scheduled it
+(`RequestScheduled`): that goes to `on_scheduled`, as the in-process engine's hook would.
+
 Admission (429) counts the requests this replica has in flight, locally: those past max_num_seqs are
 the waiting ones, as the target's engine would hold them (it may hold more waiting while pages are
 short; the target's own queue bound still applies behind this one).
@@ -32,6 +35,7 @@ class RemoteEngine:
         self._in_flight = 0
         self._stopping = False
         self._failed: BaseException | None = None
+        self.on_scheduled = None  # on_scheduled(request_id, time.monotonic()), as LLMEngine's hook
 
     # ---- what the server reads --------------------------------------------------------------------
 
@@ -68,6 +72,8 @@ class RemoteEngine:
         import ray
         from ray.exceptions import RayActorError
 
+        from target_service.assembly.service import RequestScheduled
+
         if self._stopping:
             raise EngineDead("the engine is shutting down; it takes no new requests")
         if self.num_waiting >= self.max_waiting:
@@ -79,6 +85,10 @@ class RemoteEngine:
         try:
             async for ref in stream:
                 delta = await ref
+                if isinstance(delta, RequestScheduled):
+                    if self.on_scheduled is not None:
+                        self.on_scheduled(delta.request_id, delta.at)
+                    continue
                 finished = delta.finished
                 yield delta
                 if finished:

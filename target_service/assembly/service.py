@@ -20,6 +20,7 @@ knows nothing of Ray. Faults it survives:
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import time
@@ -38,7 +39,7 @@ from target_service.assembly.assembler import TargetAssembler
 from target_service.assembly.draft_link import DrafterLink
 from target_service.assembly.plan import EnginePlan
 from target_service.engine.async_engine import AsyncEngine
-from target_service.engine.engine import POOL_GONE, LLMEngine
+from target_service.engine.engine import POOL_GONE, EngineCounters, LLMEngine
 from target_service.engine.engine_client import EngineDead
 from target_service.engine.outputs import SpecDecodeStats, TokenLogprob
 from target_service.engine.sampling_params import SamplingParams
@@ -83,6 +84,16 @@ class GenerationResult:
     prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
+@dataclass(frozen=True)
+class RequestScheduled:
+    """What `stream` sends once, before a request's first delta: when the engine first scheduled it,
+    on this process's `time.monotonic()` (the replica that reads it runs on the same node: the trio
+    sits in the replica's placement group)."""
+
+    request_id: str
+    at: float
+
+
 class TargetService:
     def __init__(self, plan: EnginePlan, peers: ServicePeers, *, pool_token: str | None = None,
                  lease_tokens: int = DEFAULT_LEASE_TOKENS, max_waiting: int = 256):
@@ -100,6 +111,8 @@ class TargetService:
         self.channel: StepChannel | None = None
         self.pool: PoolInfo | None = None
         self._attacher = ThreadPoolExecutor(1, thread_name_prefix="dflash-attach-drafter")  # one at a time
+        self._scheduled_at: dict[str, float | None] = {}  # streamed requests: when first scheduled
+        self._stream_ids = itertools.count()
         if peers.pool_info(wait=False) is not None:  # restarted by Ray: the pool is already up
             self.start(restarted=True)
 
@@ -130,6 +143,7 @@ class TargetService:
                 self._reattach_drafter().result(ATTACH_TIMEOUT_S)
         self.engine = self.assembler.build(self.control, self.pool.handle, self.link,
                                            on_pool_lost=self._recover_pool)
+        self.engine.on_scheduled = self._note_scheduled
         self._serve()
         logger.info("target service (pid %d) serving on pool epoch %d", os.getpid(), self.pool.epoch)
         return os.getpid()
@@ -236,11 +250,23 @@ class TargetService:
     async def stream(self, prompt_token_ids: list[int], params: SamplingParams,
                      request_id: str | None = None):
         """One request's deltas as they come (a Ray streaming generator: cancelling it aborts the
-        request and frees its pages)."""
+        request and frees its pages), the first one after a `RequestScheduled`."""
         if self.async_engine is None:
             raise EngineDead("the target service has not started: its pool is not up yet")
-        async for delta in self.async_engine.generate(prompt_token_ids, params, request_id):
-            yield delta
+        request_id = request_id or f"stream-{next(self._stream_ids)}"
+        self._scheduled_at[request_id] = None
+        try:
+            async for delta in self.async_engine.generate(prompt_token_ids, params, request_id):
+                if self._scheduled_at.get(request_id) is not None:  # set by the engine before its deltas
+                    yield RequestScheduled(request_id, self._scheduled_at.pop(request_id))
+                yield delta
+        finally:
+            self._scheduled_at.pop(request_id, None)
+
+    def _note_scheduled(self, request_id: str, at: float) -> None:
+        """The engine's on_scheduled (its thread): the first time a streamed request is scheduled."""
+        if request_id in self._scheduled_at and self._scheduled_at[request_id] is None:
+            self._scheduled_at[request_id] = at
 
     def snapshot(self) -> dict:
         """The counters and queue lengths the server's metrics and admission read."""
@@ -249,6 +275,10 @@ class TargetService:
         return {"stats": engine.stats.copy(), "num_running": engine.num_running,
                 "num_waiting": self.async_engine.num_waiting, "healthy": self.async_engine.is_healthy,
                 "num_steps": counters.num_steps, "num_steps_ahead": counters.num_steps_ahead}
+
+    def counters(self) -> EngineCounters:
+        """How the engine's steps went (preemptions, tokens per step, ...), for the server's metrics."""
+        return self._started_engine().counters()
 
     def check(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Refuse (ValueError) a request that could never run, before anything runs."""
