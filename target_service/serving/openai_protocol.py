@@ -7,9 +7,19 @@ response models of `openai_responses`; every refusal is an `ApiError`, which car
 OpenAI-shaped body. Field names are the API's own (OpenAI's; vLLM's for the extensions top_k,
 ignore_eos, stop_token_ids and add_generation_prompt), so `model_dump()` is the wire format.
 
-A field OpenAI defines but this server does not implement (echo, logprobs, best_of, suffix, the
-penalties, logit_bias) is refused by name when set to anything but its no-op value, never dropped:
-a client that asked for logprobs must learn it got none. `user` is accepted and ignored.
+A field OpenAI defines but this server does not implement (best_of, suffix, the penalties,
+logit_bias) is refused by name when set to anything but its no-op value, never dropped: a client that
+asked for something must learn it got none. `user` is accepted and ignored.
+
+Logprobs, as vLLM serves them: completions' `logprobs` N (0..MAX_LOGPROBS, 20) returns each
+generated token's log-probability and the N most likely tokens; `echo` true puts the prompt's text
+(and, with logprobs, its tokens' logprobs, the first null) before the output; `max_tokens` 0 is
+allowed with echo alone (the prompt's logprobs only: lm-evaluation-harness's loglikelihood
+requests). Chat's `logprobs` true with `top_logprobs` 0..20 (which needs logprobs true when above 0).
+The extension `logprobs_mode` ("raw", the default, or "processed") picks the distribution: the
+target's own (log_softmax of its logits, vLLM's default) or the one the sampler draws from
+(temperature, top-k and top-p applied; one-hot when greedy). A request with prompt logprobs
+recomputes the prompt's positions the prefix cache holds, for their logits (`Sequence`).
 
 Types are strict and say what the JSON schema says (the served OpenAPI schema is these models'
 `model_json_schema()`): a string is no number, a bool no integer, 0 no bool. One rule covers every
@@ -25,6 +35,8 @@ Limits, checked here before anything is tokenized, expanded or queued (each a 40
 | stop           | MAX_STOP_STRINGS (16) strings of       | every step searches the output for each  |
 |                | 1..MAX_STOP_CHARS (256) characters     | one, on the engine's thread              |
 | stop_token_ids | at most MAX_STOP_TOKEN_IDS (64)        | checked at every token                   |
+| logprobs,      | 0..MAX_LOGPROBS (20)                   | vLLM's max_logprobs: a top-k per token   |
+| top_logprobs   |                                        | on the device, its values to the host    |
 """
 
 from __future__ import annotations
@@ -41,7 +53,7 @@ from pydantic import (
     field_validator,
 )
 
-from target_service.engine.sampling_params import SamplingParams
+from target_service.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from target_service.serving.api_errors import ApiError
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -99,16 +111,19 @@ def _token_ids(value: Any) -> list[int] | None:
 
 def _request_schema(schema: dict, model: type[_SamplingRequest]) -> None:
     """What the validators below add to the types, said in the JSON schema too: a field this server
-    does not implement accepts its no-op values or null only (`_refuse_unsupported`), and
-    stream_options needs stream true (`_stream_options`). One rule stays out, for JSON Schema cannot
-    compare two fields: chat's max_tokens and max_completion_tokens, when both are set, must agree."""
+    does not implement accepts its no-op values or null only (`_refuse_unsupported`), and each rule
+    of `_implications` (stream_options needs stream true, ...) is an if/then. One rule stays out, for
+    JSON Schema cannot compare two fields: chat's max_tokens and max_completion_tokens, when both are
+    set, must agree."""
     for name, accepted in model._no_op.items():
         field = schema["properties"][name]
         field.pop("type", None)
         field["anyOf"] = [{"enum": list(accepted)}, {"type": "null"}] if accepted else [{"type": "null"}]
         field["description"] = "not supported by this server: only its no-op value (or null) is accepted"
-    schema["if"] = {"properties": {"stream_options": {"type": "object"}}, "required": ["stream_options"]}
-    schema["then"] = {"properties": {"stream": {"const": True}}, "required": ["stream"]}
+    schema["allOf"] = [
+        {"if": {"properties": {name: condition}, "required": [name]},
+         "then": {"properties": {needed: {"const": True}}, "required": [needed]}}
+        for name, condition, needed in model._implications]
 
 
 class _SamplingRequest(BaseModel):
@@ -125,6 +140,9 @@ class _SamplingRequest(BaseModel):
     # field -> the values that ask for nothing this server lacks (None always does)
     _no_op: ClassVar[dict[str, tuple]] = {"frequency_penalty": (0,), "presence_penalty": (0,),
                                           "logit_bias": ({},)}
+    # (field, a JSON schema of its value, the boolean field that must then be true): the validators'
+    # cross-field rules, which the JSON schema states as if/then
+    _implications: ClassVar[list[tuple[str, dict, str]]] = [("stream_options", {"type": "object"}, "stream")]
     _prompt_field: ClassVar[str]
 
     model: str | None = None  # None: the served model
@@ -142,6 +160,7 @@ class _SamplingRequest(BaseModel):
     frequency_penalty: float | None = 0.0
     presence_penalty: float | None = 0.0
     logit_bias: dict[str, float] | None = None
+    logprobs_mode: Literal["raw", "processed"] | None = None  # ours: which distribution logprobs are of
 
     @classmethod
     def from_body(cls, body: Any):
@@ -192,6 +211,15 @@ class _SamplingRequest(BaseModel):
     def _max_tokens_field(self) -> tuple[str, int | None]:
         raise NotImplementedError
 
+    def _logprob_fields(self) -> dict:
+        """SamplingParams' logprobs and prompt_logprobs, as this endpoint asks for them."""
+        raise NotImplementedError
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """The most likely tokens a choice returns beside each of its tokens (None: no logprobs)."""
+        raise NotImplementedError
+
     def to_sampling_params(self, num_prompt_tokens: int, max_model_len: int) -> list[SamplingParams]:
         """One SamplingParams per choice (n of them) for a prompt of `num_prompt_tokens` tokens.
 
@@ -223,7 +251,8 @@ class _SamplingRequest(BaseModel):
             "top_p": 1.0 if self.top_p is None else self.top_p,
             "top_k": -1 if self.top_k in (None, 0) else self.top_k,
             "seed": self.seed, "stop": self.stop, "stop_token_ids": self.stop_token_ids,
-            "ignore_eos": bool(self.ignore_eos),
+            "ignore_eos": bool(self.ignore_eos), "logprobs_mode": self.logprobs_mode or "raw",
+            **self._logprob_fields(),
         }
         try:
             return SamplingParams(**fields)
@@ -235,19 +264,43 @@ class _SamplingRequest(BaseModel):
 class CompletionRequest(_SamplingRequest):
     """POST /v1/completions. Choice index i * n + j is prompt i's choice j (vLLM's order)."""
 
-    _no_op: ClassVar[dict[str, tuple]] = {**_SamplingRequest._no_op, "echo": (False,), "logprobs": (),
-                                          "best_of": (1,), "suffix": ("",)}
+    _no_op: ClassVar[dict[str, tuple]] = {**_SamplingRequest._no_op, "best_of": (1,), "suffix": ("",)}
+    _implications: ClassVar[list[tuple[str, dict, str]]] = [*_SamplingRequest._implications,
+                                                            ("max_tokens", {"const": 0}, "echo")]
     _prompt_field: ClassVar[str] = "prompt"
 
     prompt: (PromptText | Annotated[list[TokenId], Field(min_length=1)]
              | Annotated[list[PromptText], Field(min_length=1, max_length=MAX_PROMPTS)]
              | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]],
                          Field(min_length=1, max_length=MAX_PROMPTS)])
-    max_tokens: _sampling_range("max_tokens") | None = 16
-    echo: bool | None = False
-    logprobs: integer() | None = None
+    echo: bool | None = False  # before max_tokens, whose rule reads it
+    max_tokens: integer(ge=0) | None = 16  # 0: with echo, the prompt alone
+    logprobs: integer(ge=0, le=MAX_LOGPROBS) | None = None
     best_of: integer() | None = None
     suffix: str | None = None
+
+    @field_validator("max_tokens")
+    @classmethod
+    def _max_tokens(cls, value, info):
+        if value == 0 and not info.data.get("echo"):
+            raise ValueError("max_tokens must be at least 1; 0 is allowed only with echo true (the prompt "
+                             "alone, with its logprobs when asked)")
+        return value
+
+    @property
+    def echo_only(self) -> bool:
+        """echo with max_tokens 0: the prompt alone (the engine still makes one token, which is dropped)."""
+        return bool(self.echo) and self.max_tokens == 0
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
+
+    def _logprob_fields(self) -> dict:
+        return {"logprobs": self.logprobs, "prompt_logprobs": self.logprobs if self.echo else None}
+
+    def _sampling_params(self, max_tokens: int) -> SamplingParams:
+        return super()._sampling_params(max(max_tokens, 1))  # echo alone still generates one token
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -315,16 +368,30 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_SamplingRequest):
     """POST /v1/chat/completions. max_completion_tokens (OpenAI's newer name) wins over max_tokens."""
 
-    _no_op: ClassVar[dict[str, tuple]] = {**_SamplingRequest._no_op, "logprobs": (False,),
-                                          "top_logprobs": (0,)}
+    _implications: ClassVar[list[tuple[str, dict, str]]] = [
+        *_SamplingRequest._implications, ("top_logprobs", {"type": "integer", "minimum": 1}, "logprobs")]
     _prompt_field: ClassVar[str] = "messages"
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_tokens: _sampling_range("max_tokens") | None = None
     max_completion_tokens: _sampling_range("max_tokens") | None = None
     logprobs: bool | None = False
-    top_logprobs: integer() | None = None
+    top_logprobs: integer(ge=0, le=MAX_LOGPROBS) | None = None
     add_generation_prompt: bool = True  # vLLM
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs(cls, value, info):
+        if value and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs true")
+        return value
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def _logprob_fields(self) -> dict:
+        return {"logprobs": self.num_logprobs}
 
     @field_validator("messages", mode="before")
     @classmethod

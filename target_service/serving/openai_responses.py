@@ -35,12 +35,28 @@ class UsageInfo(BaseModel):
         return self.prompt_tokens + self.completion_tokens
 
 
+class CompletionLogprobs(BaseModel):
+    """OpenAI's (legacy) completion logprobs, one entry per token: its text, its log-probability
+    (null for the prompt's first token, which nothing predicts), the most likely tokens at its
+    position as {text: logprob} (the N asked for, and the token itself when it is not among them: up
+    to N + 1), and where its text starts (the sum of the texts before it, as vLLM counts)."""
+
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+    def extend(self, other: CompletionLogprobs) -> None:
+        for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+            getattr(self, name).extend(getattr(other, name))
+
+
 class CompletionChoice(BaseModel):
     """One choice of a response, or its increment in a stream chunk (finish_reason null until the last)."""
 
     index: int
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: FinishReason = None
 
 
@@ -69,10 +85,33 @@ class AssistantMessage(BaseModel):
     content: str
 
 
+class TopLogprob(BaseModel):
+    """One token of chat logprobs: its text, log-probability and UTF-8 bytes."""
+
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    """A generated token's logprob and the N most likely tokens at its position, most likely first."""
+
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    """A chat choice's logprobs (OpenAI's `choices[].logprobs`): one entry per generated token."""
+
+    content: list[ChatTokenLogprob] | None = None
+
+    def extend(self, other: ChatLogprobs) -> None:
+        self.content = (self.content or []) + (other.content or [])
+
+
 class ChatCompletionChoice(BaseModel):
     index: int
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason = None
 
 
@@ -95,7 +134,7 @@ class DeltaMessage(BaseModel):
 class ChatCompletionStreamChoice(BaseModel):
     index: int
     delta: DeltaMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason = None
 
 

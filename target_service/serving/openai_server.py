@@ -12,6 +12,9 @@ A request the engine failed alone (finish reason "error") is a 500 for it alone,
 error event and `[DONE]`; the other requests run on. A drain (`drain`, or its parts for a caller
 that paces it) refuses new requests with 503, waits for those in flight, and when its time is up
 stops them with an answer: 503, or an error event and `[DONE]` (`InFlight`).
+
+What a choice returns besides its text (the echoed prompt, logprobs) is shaped by `openai_choices`, one
+piece per engine delta; a whole response joins the pieces its stream would send.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import logging
 import re
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from tokenizers import normalizers
@@ -30,6 +33,7 @@ from target_service.engine.engine_client import EngineClient, EngineDead, QueueF
 from target_service.serving.api_errors import ApiError
 from target_service.serving.chat_template import load_chat_template
 from target_service.serving.in_flight import InFlight
+from target_service.serving.openai_choices import ChoiceAsks, ChoiceView, Piece, TokenTexts, merge
 from target_service.serving.openai_protocol import ChatCompletionRequest, CompletionRequest
 from target_service.serving.openai_responses import (
     SSE_DONE,
@@ -60,11 +64,28 @@ FAILED_ALONE = ("the engine failed on this request (the server log has the detai
 
 @dataclass
 class _Job:
-    """One choice: which engine request, for which prompt, with which params."""
+    """One choice: which engine request, for which prompt, with which params, returning what."""
 
     index: int
     prompt_token_ids: list[int]
     params: object
+    asks: ChoiceAsks = field(default_factory=ChoiceAsks)
+    prompt_text: str | None = None  # echoed before the output (None: the ids decoded, once checked)
+
+    def view(self, texts: TokenTexts) -> ChoiceView:
+        text = self.prompt_text
+        if text is None:
+            text = texts.prompt_text(self.prompt_token_ids) if self.asks.echo else ""
+        return ChoiceView(self.asks, texts, self.prompt_token_ids, text)
+
+
+@dataclass
+class _Result:
+    """One finished choice."""
+
+    piece: Piece  # its text and logprobs, whole
+    finish_reason: str | None
+    num_output_tokens: int  # generated tokens it returns (usage)
 
 
 class OpenAIServer:
@@ -89,6 +110,7 @@ class OpenAIServer:
         self.draining = False
         self.in_flight = InFlight()
         self.max_prompt_chars = max_prompt_chars(tokenizer, max_model_len)
+        self.token_texts = TokenTexts(tokenizer)
 
     # ---- reading ----------------------------------------------------------------------------------
 
@@ -132,11 +154,13 @@ class OpenAIServer:
         self._check_model(request.model)
         prompts = request.prompts()
         self._check_choices(len(prompts), request.n or 1)
+        asks = ChoiceAsks(request.num_logprobs, bool(request.echo), request.echo_only)
         jobs = []
         for number, prompt in enumerate(prompts):
             ids = await self._encode(prompt, "prompt")
+            text = prompt if isinstance(prompt, str) else None
             for j, params in enumerate(request.to_sampling_params(len(ids), self.max_model_len)):
-                jobs.append(_Job(number * (request.n or 1) + j, ids, params))
+                jobs.append(_Job(number * (request.n or 1) + j, ids, params, asks, text))
         return jobs
 
     async def chat_jobs(self, request: ChatCompletionRequest) -> list[_Job]:
@@ -147,8 +171,9 @@ class OpenAIServer:
         except ValueError as error:
             raise ApiError.bad_request(str(error), "messages") from None
         ids = await self._encode(text, "messages", add_special_tokens=False)
+        asks = ChoiceAsks(request.num_logprobs, chat=True)
         return [
-            _Job(j, ids, params)
+            _Job(j, ids, params, asks)
             for j, params in enumerate(request.to_sampling_params(len(ids), self.max_model_len))
         ]
 
@@ -156,8 +181,9 @@ class OpenAIServer:
         jobs = self._preflight(await self.completion_jobs(request))
         results = await self._run_all(jobs)
         choices = [
-            CompletionChoice(index=job.index, text=text, finish_reason=reason)
-            for job, (text, reason, _) in zip(jobs, results)
+            CompletionChoice(index=job.index, text=result.piece.text, logprobs=result.piece.logprobs,
+                             finish_reason=result.finish_reason)
+            for job, result in zip(jobs, results)
         ]
         return CompletionResponse(
             model=self.model_name,
@@ -170,9 +196,10 @@ class OpenAIServer:
         results = await self._run_all(jobs)
         choices = [
             ChatCompletionChoice(
-                index=job.index, message=AssistantMessage(content=text), finish_reason=reason
+                index=job.index, message=AssistantMessage(content=result.piece.text),
+                logprobs=result.piece.logprobs, finish_reason=result.finish_reason
             )
-            for job, (text, reason, _) in zip(jobs, results)
+            for job, result in zip(jobs, results)
         ]
         return ChatCompletionResponse(
             model=self.model_name, choices=choices, usage=self._usage(jobs, results)
@@ -191,12 +218,13 @@ class OpenAIServer:
     async def _completion_events(self, jobs: list[_Job], include_usage: bool) -> AsyncIterator[str]:
         stream_id, created = random_id("cmpl"), int(time.time())
 
-        def chunk(index, text, reason):
+        def chunk(index, piece: Piece, reason):
             return CompletionStreamChunk(
                 id=stream_id,
                 created=created,
                 model=self.model_name,
-                choices=[CompletionChoice(index=index, text=text, finish_reason=reason)],
+                choices=[CompletionChoice(index=index, text=piece.text, logprobs=piece.logprobs,
+                                          finish_reason=reason)],
             )
 
         async for event in self._stream(jobs, chunk, include_usage, stream_id, created, chat=False):
@@ -216,13 +244,14 @@ class OpenAIServer:
                 )
             )
 
-        def chunk(index, text, reason):
-            delta = DeltaMessage(content=text) if text else DeltaMessage()
+        def chunk(index, piece: Piece, reason):
+            delta = DeltaMessage(content=piece.text) if piece.text else DeltaMessage()
             return ChatCompletionStreamChunk(
                 id=stream_id,
                 created=created,
                 model=self.model_name,
-                choices=[ChatCompletionStreamChoice(index=index, delta=delta, finish_reason=reason)],
+                choices=[ChatCompletionStreamChoice(index=index, delta=delta, logprobs=piece.logprobs,
+                                                    finish_reason=reason)],
             )
 
         async for event in self._stream(jobs, chunk, include_usage, stream_id, created, chat=True):
@@ -280,14 +309,14 @@ class OpenAIServer:
                 raise ApiError.bad_request(str(error), "prompt") from None
         return jobs
 
-    async def _run_one(self, job: _Job) -> tuple[str, str | None, int]:
-        """(text, finish reason, output tokens) of one choice; observes its latency."""
-        started, first, text, last = time.perf_counter(), None, [], None
+    async def _run_one(self, job: _Job) -> _Result:
+        """One choice, whole (the pieces its stream would send, joined); observes its latency."""
+        started, first, pieces, last, view = time.perf_counter(), None, [], None, job.view(self.token_texts)
         try:
             async for delta in self.engine.generate(job.prompt_token_ids, job.params):
                 if first is None and delta.token_ids:
                     first = time.perf_counter()
-                text.append(delta.text)
+                pieces.append(view.piece(delta))
                 last = delta
         except (QueueFull, EngineDead, ValueError) as error:
             raise _as_api_error(error) from None
@@ -299,9 +328,9 @@ class OpenAIServer:
         self._observe(started, first, last)
         if last.finish_reason == "error":
             raise ApiError.internal(FAILED_ALONE)
-        return "".join(text), last.finish_reason, last.num_output_tokens
+        return _Result(merge(pieces), last.finish_reason, _num_generated(job, last))
 
-    async def _run_all(self, jobs: list[_Job]) -> list[tuple[str, str | None, int]]:
+    async def _run_all(self, jobs: list[_Job]) -> list[_Result]:
         """Every choice concurrently; if one fails (or the client leaves), the others are cancelled."""
         tasks = [self.in_flight.start(self._run_one(job)) for job in jobs]
         try:
@@ -319,20 +348,21 @@ class OpenAIServer:
             events.put_nowait(sse_event(error.to_response()))
 
         async def pump(job: _Job):
-            started, first, last = time.perf_counter(), None, None
+            started, first, last, view = time.perf_counter(), None, None, job.view(self.token_texts)
             try:
                 async for delta in self.engine.generate(job.prompt_token_ids, job.params):
                     if first is None and delta.token_ids:
                         first = time.perf_counter()
                     last = delta
+                    piece = view.piece(delta)  # a chunk carries the logprobs of the tokens it carries
                     if delta.finish_reason == "error":  # what it streamed stands; it ends in an error
-                        if delta.text:
-                            events.put_nowait(sse_event(chunk(job.index, delta.text, None)))
+                        if piece.text or piece.num_tokens:
+                            events.put_nowait(sse_event(chunk(job.index, piece, None)))
                         fail(ApiError.internal(FAILED_ALONE))
-                    elif delta.text or delta.finished:
-                        events.put_nowait(sse_event(chunk(job.index, delta.text, delta.finish_reason)))
+                    elif piece.text or delta.finished or (piece.num_tokens and piece.logprobs is not None):
+                        events.put_nowait(sse_event(chunk(job.index, piece, delta.finish_reason)))
                 self._observe(started, first, last)
-                totals[job.index] = last.num_output_tokens
+                totals[job.index] = _num_generated(job, last)
             except (QueueFull, EngineDead, ValueError) as error:
                 fail(_as_api_error(error))
             except asyncio.CancelledError:  # the client left mid-stream, or the server stopped it
@@ -379,8 +409,9 @@ class OpenAIServer:
             finish_reason="abort" if aborted else last.finish_reason,
         )
 
-    def _usage(self, jobs: list[_Job], results) -> UsageInfo:
-        return UsageInfo(prompt_tokens=_prompt_tokens(jobs), completion_tokens=sum(r[2] for r in results))
+    def _usage(self, jobs: list[_Job], results: list[_Result]) -> UsageInfo:
+        return UsageInfo(prompt_tokens=_prompt_tokens(jobs),
+                         completion_tokens=sum(result.num_output_tokens for result in results))
 
 
 def max_prompt_chars(tokenizer, max_model_len: int) -> int | None:
@@ -423,6 +454,11 @@ def _wait_until_empty(in_flight: InFlight, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while len(in_flight) and time.monotonic() < deadline:
         time.sleep(DRAIN_POLL_S)
+
+
+def _num_generated(job: _Job, last) -> int:
+    """The generated tokens a choice returns: none for echo alone (max_tokens 0)."""
+    return 0 if job.asks.echo_only else last.num_output_tokens
 
 
 def _prompt_tokens(jobs: list[_Job]) -> int:

@@ -14,6 +14,7 @@ import httpx
 
 from target_service.assembly.demo import demo_target_path
 from target_service.engine.engine_client import RequestDelta
+from target_service.engine.outputs import TokenLogprob
 from target_service.serving.api import ServerHolder, create_app
 from target_service.serving.openai_server import OpenAIServer
 
@@ -34,6 +35,9 @@ class FakeTokenizer:
 
     def encode_batch(self, texts: list[str], add_special_tokens: bool = True) -> list[Encoding]:
         return [self.encode(text, add_special_tokens) for text in texts]
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(chr(i) for i in ids)
 
 
 @dataclass
@@ -62,7 +66,10 @@ class FakeEngine:
             raise self.fail_with
         await asyncio.sleep(0)
         yield RequestDelta(request_id or "r", [1], "ok", finished=True, finish_reason="length",
-                           num_prompt_tokens=len(prompt_token_ids), num_output_tokens=1)
+                           num_prompt_tokens=len(prompt_token_ids), num_output_tokens=1,
+                           logprobs=None if params.logprobs is None else [fake_logprob(1, params.logprobs)],
+                           prompt_logprobs=None if params.prompt_logprobs is None else
+                           [None] + [fake_logprob(t, params.prompt_logprobs) for t in prompt_token_ids[1:]])
 
     def shutdown(self, timeout: float = 30.0) -> None:
         pass
@@ -70,6 +77,11 @@ class FakeEngine:
     @property
     def touched(self) -> bool:
         return bool(self.checked or self.generated)
+
+
+def fake_logprob(token_id: int, num_top: int) -> TokenLogprob:
+    """A made-up logprob of `token_id` with `num_top` made-up most likely tokens."""
+    return TokenLogprob(token_id, -1.5, tuple(range(num_top)), tuple(-0.5 - i for i in range(num_top)))
 
 
 def fake_app(engine: FakeEngine | None = None, server_type=OpenAIServer, tokenizer=None, **options):

@@ -98,6 +98,31 @@ def test_fields_set_to_their_no_op_value_are_accepted(no_op):
     assert request.to_sampling_params(1, 64) == [SamplingParams(max_tokens=16)]
 
 
+@pytest.mark.parametrize(("fields", "logprobs", "prompt_logprobs", "max_tokens"), [
+    ({"logprobs": 0}, 0, None, 16),
+    ({"logprobs": 20, "echo": True}, 20, 20, 16),
+    ({"echo": True}, None, None, 16),  # the prompt's text, no logprobs
+    ({"echo": True, "max_tokens": 0, "logprobs": 1}, 1, 1, 1),  # lm-eval: the engine makes one token, dropped
+])
+def test_completion_logprobs_and_echo_become_the_engines_logprobs_and_prompt_logprobs(
+        fields, logprobs, prompt_logprobs, max_tokens):
+    request = CompletionRequest.from_body({"prompt": "x", **fields})
+    params = request.to_sampling_params(1, 64)[0]
+    assert params.logprobs == logprobs and params.prompt_logprobs == prompt_logprobs
+    assert params.max_tokens == max_tokens
+    assert request.echo_only == (fields.get("max_tokens") == 0) and params.logprobs_mode == "raw"
+
+
+@pytest.mark.parametrize(("fields", "logprobs"), [
+    ({"logprobs": True}, 0), ({"logprobs": True, "top_logprobs": 20}, 20), ({"logprobs": False}, None),
+    ({"top_logprobs": 0}, None),  # vLLM's rule: 0 without logprobs asks for nothing
+])
+def test_chat_logprobs_and_top_logprobs_become_the_engines_logprobs(fields, logprobs):
+    request = ChatCompletionRequest.from_body({"messages": CHAT, "logprobs_mode": "processed", **fields})
+    params = request.to_sampling_params(1, 64)[0]
+    assert (params.logprobs, params.prompt_logprobs, params.logprobs_mode) == (logprobs, None, "processed")
+
+
 # ---- bad input: a 400 naming the field ----------------------------------------------------------
 
 COMPLETION_REFUSALS = [
@@ -113,9 +138,13 @@ COMPLETION_REFUSALS = [
     ({"stop": 5}, "stop"),
     ({"stop": [""]}, "stop"),
     ({"frobnicate": 1}, "frobnicate"),
-    ({"echo": True}, "echo"),
-    ({"logprobs": 0}, "logprobs"),
-    ({"logprobs": 5}, "logprobs"),
+    ({"echo": "yes"}, "echo"),
+    ({"logprobs": 21}, "logprobs"),
+    ({"logprobs": -1}, "logprobs"),
+    ({"logprobs": True}, "logprobs"),
+    ({"max_tokens": 0, "echo": False}, "max_tokens"),
+    ({"max_tokens": 0, "logprobs": 1}, "max_tokens"),
+    ({"logprobs_mode": "raw_logits"}, "logprobs_mode"),
     ({"best_of": 3}, "best_of"),
     ({"suffix": "return x"}, "suffix"),
     ({"presence_penalty": 0.5}, "presence_penalty"),
@@ -136,7 +165,11 @@ CHAT_REFUSALS = [
     ({"messages": [{"role": "user", "content": "x", "name": "bob"}]}, "messages[0].name"),
     ({"messages": CHAT, "max_tokens": 5, "max_completion_tokens": 6}, "max_completion_tokens"),
     ({"messages": CHAT, "max_completion_tokens": 0}, "max_completion_tokens"),
-    ({"messages": CHAT, "logprobs": True}, "logprobs"),
+    ({"messages": CHAT, "logprobs": 1}, "logprobs"),
+    ({"messages": CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"messages": CHAT, "logprobs": True, "top_logprobs": -1}, "top_logprobs"),
+    ({"messages": CHAT, "top_logprobs": 2}, "top_logprobs"),
+    ({"messages": CHAT, "logprobs": False, "top_logprobs": 1}, "top_logprobs"),
     ({"messages": CHAT, "tools": [{"type": "function"}]}, "tools"),
     ({"messages": CHAT, "n": 0}, "n"),
 ]

@@ -104,9 +104,15 @@ def test_the_schema_states_the_limits_and_the_strict_types(document):
     properties = inline(document["components"]["schemas"]["CompletionRequest"], document)["properties"]
     n = properties["n"]["anyOf"][0]
     assert n == {"type": "integer", "minimum": 1, "maximum": 128}
-    assert properties["echo"]["anyOf"] == [{"enum": [False]}, {"type": "null"}]  # refused unless false
+    assert properties["best_of"]["anyOf"] == [{"enum": [1]}, {"type": "null"}]  # refused unless 1
     assert properties["stream"]["anyOf"] == [{"type": "boolean"}, {"type": "null"}]
-    assert properties["max_tokens"]["anyOf"][0] == {"type": "integer", "minimum": 1}
+    assert properties["max_tokens"]["anyOf"][0] == {"type": "integer", "minimum": 0}
+    assert properties["logprobs"]["anyOf"][0] == {"type": "integer", "minimum": 0, "maximum": 20}
+    echo_rule = {"if": {"properties": {"max_tokens": {"const": 0}}, "required": ["max_tokens"]},
+                 "then": {"properties": {"echo": {"const": True}}, "required": ["echo"]}}
+    assert echo_rule in document["components"]["schemas"]["CompletionRequest"]["allOf"]  # 0 only with echo
+    chat = document["components"]["schemas"]["ChatCompletionRequest"]
+    assert chat["properties"]["top_logprobs"]["anyOf"][0] == {"type": "integer", "minimum": 0, "maximum": 20}
     assert properties["top_p"]["anyOf"][0] == {"type": "number", "exclusiveMinimum": 0.0, "maximum": 1.0}
 
 
