@@ -53,7 +53,7 @@ def replica_server(serve_args) -> Iterator[tuple[str, object]]:
     holder = ServerHolder()
     try:
         holder.rank = 0
-        holder.install(replica.server)
+        holder.install(replica.server, replica.metrics)
         with http_server(create_app(holder)) as url:
             yield url, replica
     finally:

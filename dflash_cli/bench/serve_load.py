@@ -21,9 +21,10 @@ A concurrency level keeps that many requests in flight, each worker sending back
 Per request, from the SSE stream (`serve_request`): TTFT (first text), ITL (gaps between chunks with
 text: one chunk carries every token a speculative step accepted), TPOT ((E2E - TTFT) / (output tokens -
 1), the tokens from the final usage chunk) and E2E. Acceptance, and any --metrics-counter, comes from
-the server's Prometheus counters (vLLM's `spec_decode` names), scraped before the first pass and after
-each: a scrape reaches one replica, so each is scraped several times and the largest (latest) counter
-per replica label is kept.
+the server's Prometheus counters (vLLM's `vllm:spec_decode_*`, so a vLLM server is read the same),
+scraped before the first pass and after each. A `dflash serve` scrape holds every replica; behind a
+load balancer that sends each scrape to one server, each is scraped several times and the largest
+(latest) counter per replica label is kept.
 
 This module runs the load; `dflash_cli.bench.serve_report` turns what it saw into numbers and files.
 Heavy imports (httpx, tqdm, torch through training.corpus) stay inside functions, so `dflash --help`

@@ -24,10 +24,10 @@ from dflash_cli.bench.serve_gaps import gap_stats, timeline
 from dflash_cli.bench.serve_plots import plot, plot_gaps
 from dflash_cli.bench.serve_workload import lengths_from_args, setting_label
 
-SPEC_COUNTERS = {  # our field -> the Prometheus sample (vLLM's names under dflash:)
-    "drafts": "dflash:spec_decode_num_drafts_total",
-    "draft_tokens": "dflash:spec_decode_num_draft_tokens_total",
-    "accepted": "dflash:spec_decode_num_accepted_tokens_total",
+SPEC_COUNTERS = {  # our field -> the Prometheus sample (vLLM's, which dflash serve exposes too)
+    "drafts": "vllm:spec_decode_num_drafts_total",
+    "draft_tokens": "vllm:spec_decode_num_draft_tokens_total",
+    "accepted": "vllm:spec_decode_num_accepted_tokens_total",
 }
 _SAMPLE = re.compile(r"^(?P<name>[a-zA-Z_:][\w:]*)(?:\{(?P<labels>.*)\})?\s+(?P<value>\S+)")
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')

@@ -57,6 +57,7 @@ class ServerHolder:
     def __init__(self, name: str | None = None):
         self.name = name
         self._server: OpenAIServer | None = None
+        self._metrics = None
         self._closed = False
         self.rank: int | None = None  # the Ray Serve replica's rank, named in X-Dflash-Replica
 
@@ -65,15 +66,17 @@ class ServerHolder:
             raise TypeError("an unnamed ServerHolder cannot leave its process; use holder_named()")
         return (holder_named, (self.name,))
 
-    def install(self, server: OpenAIServer) -> None:
-        self._server = server
+    def install(self, server: OpenAIServer, metrics=None) -> None:
+        """metrics: this replica's `ServerMetrics`, or in Ray Serve every replica's
+        (`ReplicaSetMetrics`); None: /metrics answers an empty text."""
+        self._server, self._metrics = server, metrics
         self._closed = False
 
     def clear(self) -> None:
         """Let go of the server once its replica closed. The routes keep this holder for as long as
         FastAPI's module-level caches hold the routes (the whole process), so a holder that kept its
         server would keep the engine, its weights and its pool in memory after close."""
-        self._server, self._closed = None, True
+        self._server, self._metrics, self._closed = None, None, True
 
     @property
     def is_installed(self) -> bool:
@@ -85,6 +88,12 @@ class ServerHolder:
             raise ApiError.unavailable(1, "this replica has shut down" if self._closed
                                        else "the model is still loading")
         return self._server
+
+    @property
+    def metrics(self):
+        """What /metrics answers (anything with `async exposition() -> bytes`; None: nothing); like
+        `server`, a 503 while the model loads or after shutdown."""
+        return self._metrics if self.server is not None else None
 
 
 _NAMED_HOLDERS: dict[str, ServerHolder] = {}
@@ -135,8 +144,8 @@ def create_app(holder: ServerHolder) -> FastAPI:
 
     @app.get("/metrics", response_class=Response)
     async def metrics() -> Response:
-        server = holder.server
-        body = server.metrics.render() if server.metrics is not None else b""
+        metrics = holder.metrics
+        body = await metrics.exposition() if metrics is not None else b""
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models", responses=responses(ModelList, stream=False))

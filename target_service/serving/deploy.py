@@ -45,6 +45,7 @@ from target_service.assembly.ray_services import service_bundle
 from target_service.serving.api import create_app, holder_named
 from target_service.serving.openai_server import STOP_GRACE_S, drain_expired
 from target_service.serving.replica import Replica
+from target_service.serving.replica_set_metrics import ReplicaSetMetrics
 from target_service.serving.replica_watch import ReplicaCounts, ReplicaWatch, watch_replicas
 from target_service.serving.serve_args import ServeArgs
 
@@ -88,7 +89,7 @@ class DFlashReplica:
         # Service expect admin_port + 0..n-1 on every node, whatever the global ranks there are
         self.replica = Replica(args, rank, admin_offset=_rank(context, "local_rank"))
         HOLDER.rank = rank
-        HOLDER.install(self.replica.server)
+        HOLDER.install(self.replica.server, ReplicaSetMetrics(self.replica.metrics, _replica_handle))
         logger.info("replica %d ready on node %s", rank, _node_id())
 
     # the steps of `stop_serving`, called on every replica (Serve handle broadcasts)
@@ -109,6 +110,10 @@ class DFlashReplica:
         HOLDER.clear()
         self.replica.close(0.0)
 
+    async def metrics_families(self) -> list:
+        """This replica's series, for the replica answering a scrape of /metrics (`ReplicaSetMetrics`)."""
+        return await self.replica.metrics.families_within()
+
     async def check_health(self) -> None:
         """Ray Serve's probe: a replica whose engine thread died is restarted."""
         if not self.replica.server.engine.is_healthy:
@@ -122,6 +127,11 @@ class DFlashReplica:
             replica.server.stop_in_flight(drain_expired(self.drain_timeout_s))
             HOLDER.clear()
             replica.close(0.0)
+
+
+def _replica_handle():
+    """A Serve handle on this application's replicas, from inside one of them."""
+    return serve.get_deployment_handle(DEPLOYMENT_NAME, APP_NAME)
 
 
 def _rank(context, which: str = "rank") -> int:

@@ -19,6 +19,7 @@ from foundation.secret_file import API_KEY_ENV, POOL_TOKEN_ENV, load_secret
 from kvpool_service.server import BackgroundServer
 from target_service.assembly.in_process import build_engine
 from target_service.engine.async_engine import AsyncEngine
+from target_service.serving.metered_engine import MeteredEngine
 from target_service.serving.metrics import ServerMetrics
 from target_service.serving.openai_server import STOP_GRACE_S, OpenAIServer
 from target_service.serving.serve_args import ServeArgs
@@ -36,23 +37,30 @@ class Replica:
         admin_port = args.admin_port and args.admin_port + offset  # None: off; 0: any free port
         if args.services == "ray":
             tokenizer, max_model_len, groups = self._start_services(args, engine_args, rank, admin_port)
+            counters = self.services.counters
+            num_speculative_tokens = self.services.plan.num_speculative_tokens
+            timed = self.async_engine  # RemoteEngine: the target actor's on_scheduled, passed on
         else:
             self.assembly = build_engine(engine_args)
-            engine = self.assembly.engine
+            engine = timed = self.assembly.engine
             self.async_engine = AsyncEngine(engine, max_waiting=args.max_waiting)
             tokenizer, max_model_len = self.assembly.tokenizer, engine.max_model_len
             groups = [group.name for group in self.assembly.pool.layout.spec.groups]
+            counters, num_speculative_tokens = engine.counters, engine.num_speculative_tokens
             if admin_port is not None:
                 pool = self.assembly.pool
                 self.admin = BackgroundServer(pool.blocks, pool.layout, host=args.host, port=admin_port,
                                               token=self._admin_token(args), read_only=True).start()
                 logger.info("replica %d: admin gRPC on %s", rank, self.admin.address)
-        self.metrics = ServerMetrics(self.async_engine, model_name=args.model_name, replica=str(rank),
-                                     groups=groups)
+        self.metrics = ServerMetrics(self.async_engine, counters, model_name=args.model_name,
+                                     replica=str(rank), groups=groups, max_model_len=max_model_len,
+                                     num_speculative_tokens=num_speculative_tokens)
+        metered = MeteredEngine(self.async_engine, self.metrics)  # every request's times, for the metrics
+        timed.on_scheduled = metered.scheduled  # set before the first request
         api_key = load_secret(args.api_key_file, env=API_KEY_ENV, what="API key")
-        self.server = OpenAIServer(self.async_engine, tokenizer, model_name=args.model_name,
+        self.server = OpenAIServer(metered, tokenizer, model_name=args.model_name,
                                    max_model_len=max_model_len, target_dir=engine_args.target,
-                                   metrics=self.metrics, api_key=api_key)
+                                   api_key=api_key)
 
     def _start_services(self, args: ServeArgs, engine_args, rank: int, admin_port: int | None):
         """The pool, drafter and target as Ray actors; the pool's gRPC port is the admin port."""

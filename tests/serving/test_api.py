@@ -29,7 +29,7 @@ def served(tmp_path_factory):
     key_file.write_text("secret-key\n")
     replica = Replica(ServeArgs(api_key_file=str(key_file), **ARGS))
     holder = ServerHolder()
-    holder.install(replica.server)
+    holder.install(replica.server, replica.metrics)
     yield replica, create_app(holder)
     replica.close()
 
@@ -150,7 +150,7 @@ def test_models_health_and_metrics(served):
 
     health, metrics, models = asyncio.run(main())
     assert health.status_code == 200 and json.loads(health.text) == {"status": "ok"}
-    assert "dflash:spec_decode_num_drafts_total" in metrics.text
+    assert "vllm:spec_decode_num_drafts_total" in metrics.text and "dflash:engine_steps_total" in metrics.text
     assert [m.id for m in models.data] == ["dflash-demo"]
 
 

@@ -4,13 +4,16 @@ Serve and two models takes ~20 s on two cores); each test protects one promise o
 
 from __future__ import annotations
 
+import random
 import signal
 import threading
 import time
 
 import httpx
 import pytest
-from serve_process import PROMPT, Server, assert_completion_and_stream_equal, offline_completion
+from prometheus_client.parser import text_string_to_metric_families
+from promtool import check_metrics
+from serve_process import MODEL, PROMPT, Server, assert_completion_and_stream_equal, offline_completion
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray")]
 
@@ -63,18 +66,26 @@ def test_admin_grpc_answers_per_replica_and_a_dropped_stream_frees_its_pages(ser
     assert all(admin.stats().num_seqs == 0 for admin in admins)
 
 
-def aborted_requests(server) -> float:
-    """Aborted requests over both replicas (a scrape reaches one replica: scrape until both seen)."""
-    latest = {}
+def scrape(server) -> dict:
+    """One scrape of /metrics: (sample name, frozen labels) -> value."""
     with httpx.Client(base_url=server.url, timeout=30) as http:
-        for _ in range(40):
-            text, rank = (reply := http.get("/metrics")).text, reply.headers["x-dflash-replica"]
-            latest[rank] = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                               if line.startswith("dflash:request_success_total{")
-                               and 'reason="abort"' in line)
-            if len(latest) == 2:
-                break
-    return sum(latest.values())
+        reply = http.get("/metrics")
+    assert reply.status_code == 200
+    return {(sample.name, frozenset(sample.labels.items())): sample.value
+            for family in text_string_to_metric_families(reply.text) for sample in family.samples}
+
+
+def per_replica(table: dict, name: str, **labels) -> dict[str, float]:
+    """replica label -> the value of sample `name` (with `labels`) in one scrape."""
+    return {dict(key)["replica"]: v for (sample, key), v in table.items()
+            if sample == name and labels.items() <= dict(key).items()}
+
+
+def aborted_requests(server) -> float:
+    """Aborted requests over both replicas: one scrape holds them both."""
+    aborted = per_replica(scrape(server), "vllm:request_success_total", finished_reason="abort")
+    assert set(aborted) == {"0", "1"}
+    return sum(aborted.values())
 
 
 def test_a_client_that_gives_up_on_a_whole_response_cancels_it_and_frees_its_pages(server):
@@ -91,15 +102,48 @@ def test_a_client_that_gives_up_on_a_whole_response_cancels_it_and_frees_its_pag
     assert aborted_requests(server) == aborted + 1  # cancelled, not run to its 400 tokens
 
 
-def test_metrics_move_as_requests_run(server):
+def test_one_scrape_holds_every_replica_and_their_counters_add_up_to_what_ran(server):
+    """Greedy requests one at a time (each alone in its replica, as the offline LLM runs it): summed
+    over replica, the scrape's spec-decode counters grow by the offline LLM's per-request counts, its
+    token counters by the responses' usage; each replica's prefix-cache queries equal its pool's own
+    (its admin gRPC port); the exposition passes promtool."""
+    from target_service.engine.sampling_params import SamplingParams
+    from target_service.llm import LLM
+
+    prompts = [PROMPT + "".join(random.choices("abcdefgh_ ", k=random.randint(1, 12))) for _ in range(5)]
+    lengths = [random.randint(4, 24) for _ in prompts]
+    llm = LLM(**MODEL)
+    try:
+        offline = [llm.generate([p], SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))[0]
+                   for p, n in zip(prompts, lengths)]
+    finally:
+        llm.close()
+    names = ("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_draft_tokens_total",
+             "vllm:spec_decode_num_accepted_tokens_total", "vllm:prompt_tokens_total",
+             "vllm:generation_tokens_total")
+    before = scrape(server)
+    usage = []
     with httpx.Client(base_url=server.url, timeout=60) as http:
-        for _ in range(4):
-            http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 16, "temperature": 0})
-        texts = [http.get("/metrics").text for _ in range(8)]  # a scrape reaches one replica
-    drafted = [line for text in texts for line in text.splitlines()
-               if line.startswith("dflash:spec_decode_num_drafts_total{")]
-    assert drafted and max(float(line.rsplit(" ", 1)[1]) for line in drafted) > 0
-    assert any("dflash:request_success_total" in text for text in texts)
+        for prompt, n in zip(prompts, lengths):
+            body = {"prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True}
+            reply = http.post("/v1/completions", json=body)
+            assert reply.status_code == 200
+            usage.append(reply.json()["usage"])
+        text = http.get("/metrics").text
+    after = {(s.name, frozenset(s.labels.items())): s.value
+             for family in text_string_to_metric_families(text) for s in family.samples}
+    added = {name: sum(per_replica(after, name).values()) - sum(per_replica(before, name).values())
+             for name in names}
+    assert all(set(per_replica(after, name)) == {"0", "1"} for name in names)
+    stats = [output.spec_decode for output in offline]
+    assert added["vllm:spec_decode_num_drafts_total"] == sum(s.num_drafts for s in stats) > 0
+    assert added["vllm:spec_decode_num_draft_tokens_total"] == sum(s.num_draft_tokens for s in stats)
+    assert added["vllm:spec_decode_num_accepted_tokens_total"] == sum(s.num_accepted_tokens for s in stats)
+    assert added["vllm:prompt_tokens_total"] == sum(u["prompt_tokens"] for u in usage)
+    assert added["vllm:generation_tokens_total"] == sum(u["completion_tokens"] for u in usage) == sum(lengths)
+    queries = per_replica(after, "vllm:prefix_cache_queries_total")
+    assert queries == {str(rank): server.admin(rank).stats().prefix_cache_queries for rank in (0, 1)}
+    check_metrics(text)
 
 
 def test_sigterm_drains_in_flight_requests_then_exits(server):

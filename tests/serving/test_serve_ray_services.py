@@ -29,18 +29,28 @@ def expected():
     return offline_completion()
 
 
-def drafts_so_far(http: httpx.Client) -> float:
+COUNTED = ("vllm:spec_decode_num_drafts_total", "vllm:iteration_tokens_total_count",
+           "vllm:request_queue_time_seconds_count", "vllm:request_prefill_time_seconds_count")
+
+
+def so_far(http: httpx.Client) -> dict[str, float]:
     text = http.get("/metrics").text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("dflash:spec_decode_num_drafts_total{"))
+    return {name: sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                      if line.startswith(name + "{")) for name in COUNTED}
 
 
 def test_completions_and_streams_through_the_actors_equal_the_offline_llm(server, expected):
     api = server.client()
     with httpx.Client(base_url=server.url, timeout=60) as http:
-        before = drafts_so_far(http)
+        before = so_far(http)
         assert_completion_and_stream_equal(api, expected)
-        assert drafts_so_far(http) > before  # the target actor's counters reach /metrics
+        after = so_far(http)
+    # the target actor's counters reach /metrics, and so does when it first scheduled each request
+    assert after["vllm:spec_decode_num_drafts_total"] > before["vllm:spec_decode_num_drafts_total"]
+    assert after["vllm:iteration_tokens_total_count"] > before["vllm:iteration_tokens_total_count"]
+    for phase in ("queue", "prefill"):
+        name = f"vllm:request_{phase}_time_seconds_count"
+        assert after[name] == before[name] + 2  # the whole completion and the stream
 
 
 def test_a_bad_request_is_refused_by_the_target_and_changes_nothing(server):

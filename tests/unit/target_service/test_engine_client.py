@@ -1,6 +1,7 @@
-"""Both engines the server drives hold to `EngineClient` member by member: the same properties, the
-same call signatures (names, kinds, defaults), `generate` an async generator in both. The protocol's
-`isinstance` check looks at names only; this compares what a caller would bind against."""
+"""The engines the server drives (and the meter it drives them through) hold to `EngineClient` member
+by member: the same properties, the same call signatures (names, kinds, defaults), `generate` an async
+generator in each. The protocol's `isinstance` check looks at names only; this compares what a caller
+would bind against."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ import pytest
 from target_service.assembly.remote_engine import RemoteEngine
 from target_service.engine.async_engine import AsyncEngine
 from target_service.engine.engine_client import EngineClient
+from target_service.serving.metered_engine import MeteredEngine
 
-ENGINES = [AsyncEngine, RemoteEngine]
+ENGINES = [AsyncEngine, RemoteEngine, MeteredEngine]
 
 
 def protocol_members() -> dict[str, object]:

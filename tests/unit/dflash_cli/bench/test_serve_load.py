@@ -51,7 +51,7 @@ def served():
     replica = Replica(ServeArgs(device="cpu", dtype="float32", kv_cache_memory="16MiB", max_model_len=256,
                                 max_num_seqs=4, admin_port=None))
     holder = ServerHolder()
-    holder.install(replica.server)
+    holder.install(replica.server, replica.metrics)
     holder.rank = 0
     yield replica, create_app(holder)
     replica.close()
@@ -254,12 +254,12 @@ def test_a_concurrency_level_keeps_that_many_in_flight_and_answers_in_order(conc
 def metrics_text(replica: str, drafts: int, draft_tokens: int, accepted: int, model="dflash-demo") -> str:
     labels = f'model_name="{model}",replica="{replica}"'
     return "\n".join([
-        "# HELP dflash:spec_decode_num_drafts_total Speculative steps that drafted",
-        "# TYPE dflash:spec_decode_num_drafts_total counter",
-        f"dflash:spec_decode_num_drafts_total{{{labels}}} {drafts}.0",
-        f"dflash:spec_decode_num_draft_tokens_total{{{labels}}} {draft_tokens}.0",
-        f"dflash:spec_decode_num_accepted_tokens_total{{{labels}}} {accepted}.0",
-        f'dflash:spec_decode_num_accepted_tokens_per_pos_total{{{labels},position="0"}} 99.0',
+        "# HELP vllm:spec_decode_num_drafts_total Speculative steps that drafted",
+        "# TYPE vllm:spec_decode_num_drafts_total counter",
+        f"vllm:spec_decode_num_drafts_total{{{labels}}} {drafts}.0",
+        f"vllm:spec_decode_num_draft_tokens_total{{{labels}}} {draft_tokens}.0",
+        f"vllm:spec_decode_num_accepted_tokens_total{{{labels}}} {accepted}.0",
+        f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{{labels},position="0"}} 99.0',
     ]) + "\n"
 
 

@@ -141,8 +141,8 @@ class FakeServer:
         if request.url.path == "/metrics":
             labels = '{model_name="fake",replica="0"}'
             return httpx.Response(200, text=f"fake:misses_total{labels} {self.misses}\n"
-                                  f"dflash:spec_decode_num_drafts_total{labels} {self.drafts}\n"
-                                  f"dflash:spec_decode_num_accepted_tokens_total{labels} {2 * self.drafts}\n")
+                                  f"vllm:spec_decode_num_drafts_total{labels} {self.drafts}\n"
+                                  f"vllm:spec_decode_num_accepted_tokens_total{labels} {2 * self.drafts}\n")
         body = json.loads(request.content)
         self.bodies.append(body)
         miss = tuple(body["prompt"]) not in self.seen

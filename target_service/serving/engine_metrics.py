@@ -1,0 +1,112 @@
+"""What the engine and its pool know, as Prometheus series read when Prometheus scrapes.
+
+vLLM's: running and waiting requests, KV-cache usage (blocks held by live sequences over the pool's
+blocks, 0..1), the prefix cache's queried and hit tokens (counters, so a rate() windows them),
+preemptions, the tokens of each engine step (`iteration_tokens_total`, a histogram built from the
+engine's count of steps by tokens), and the four speculative-decoding counters (accepted tokens by
+draft `position`, every position of K present from the start). Only dflash-serve's, under `dflash:`:
+engine steps and those queued ahead (async scheduling), pool restarts the engine moved onto, each
+layer group's blocks, and the Triton kernels compiled before and after the engine was ready.
+"""
+
+from __future__ import annotations
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+from kernels.compile_watch import WATCH
+
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)  # vLLM's
+
+
+class EngineCollector:
+    """A Prometheus collector over one engine: `snapshot()` of its `EngineClient` and `counters()`."""
+
+    def __init__(self, engine, counters, labels: dict[str, str], groups: list[str],
+                 num_speculative_tokens: int):
+        self.engine, self.counters = engine, counters
+        self.labels, self.groups, self.num_speculative_tokens = labels, groups, num_speculative_tokens
+
+    def _family(self, kind, name: str, documentation: str, extra: tuple[str, ...] = ()):
+        return kind(name, documentation, labels=[*self.labels, *extra])
+
+    def _one(self, kind, name: str, documentation: str, value: float):
+        family = self._family(kind, name, documentation)
+        family.add_metric(list(self.labels.values()), value)
+        return family
+
+    def collect(self):
+        snapshot, counters = self.engine.snapshot(), self.counters()
+        stats, pool = snapshot.stats, snapshot.pool
+        yield self._one(GaugeMetricFamily, "vllm:num_requests_running",
+                        "Number of requests in model execution batches.", snapshot.num_running)
+        yield self._one(GaugeMetricFamily, "vllm:num_requests_waiting",
+                        "Number of requests waiting to be processed.", snapshot.num_waiting)
+        yield self._one(GaugeMetricFamily, "vllm:kv_cache_usage_perc",
+                        "KV-cache usage. 1 means 100 percent usage.",
+                        pool.num_used_blocks / pool.num_blocks if pool.num_blocks else 0.0)
+        for name, documentation, value in (
+            ("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
+             pool.prefix_cache_queries),
+            ("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
+             pool.prefix_cache_hits),
+            ("vllm:num_preemptions", "Cumulative number of preemption from the engine.",
+             counters.num_preemptions),
+            ("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", stats.num_drafts),
+            ("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", stats.num_draft_tokens),
+            ("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.", stats.num_accepted_tokens),
+            ("dflash:engine_steps", "Engine steps", snapshot.num_steps),
+            ("dflash:engine_steps_ahead", "Engine steps queued before the step before them was read (async "
+             "scheduling)", snapshot.num_steps_ahead),
+            ("dflash:pool_recoveries", "Steps that found the pool gone and moved onto its restarted process",
+             counters.num_pool_recoveries),
+        ):
+            yield self._one(CounterMetricFamily, name, documentation, value)
+        yield self._accepted_per_position(stats.accepted_per_position)
+        yield self._iteration_tokens(counters.iteration_tokens)
+        yield from self._pool_blocks(pool)
+        yield self._compilations()
+
+    def _accepted_per_position(self, accepted: list[int]):
+        """Drafts whose token at `position` (and so every one before it) was accepted."""
+        family = self._family(CounterMetricFamily, "vllm:spec_decode_num_accepted_tokens_per_pos",
+                              "Accepted tokens per draft position.", ("position",))
+        values = list(self.labels.values())
+        for position in range(max(self.num_speculative_tokens, len(accepted))):
+            family.add_metric([*values, str(position)], accepted[position] if position < len(accepted) else 0)
+        return family
+
+    def _iteration_tokens(self, steps_by_tokens: dict[int, int]):
+        family = self._family(HistogramMetricFamily, "vllm:iteration_tokens_total",
+                              "Histogram of number of tokens per engine_step.")
+        buckets = [(str(float(bound)), sum(n for tokens, n in steps_by_tokens.items() if tokens <= bound))
+                   for bound in ITERATION_TOKEN_BUCKETS]
+        buckets.append(("+Inf", sum(steps_by_tokens.values())))
+        family.add_metric(list(self.labels.values()), buckets,
+                          sum_value=sum(tokens * n for tokens, n in steps_by_tokens.items()))
+        return family
+
+    def _pool_blocks(self, usage):
+        # block ids are position-aligned across the groups: the counts are the pool's, per group alike
+        values = list(self.labels.values())
+        for name, documentation, value in (
+            ("dflash:kv_blocks_used", "Pool blocks held by live sequences", usage.num_used_blocks),
+            ("dflash:kv_blocks_free", "Pool blocks free or evictable from the prefix cache",
+             usage.num_free_blocks + usage.num_cached_blocks),
+        ):
+            family = self._family(GaugeMetricFamily, name, documentation, ("group",))
+            for group in self.groups:
+                family.add_metric([*values, group], value)
+            yield family
+
+    def _compilations(self):
+        """Triton kernel specialisations built in this process, before and after the engine was
+        ready: any after ready stalled every stream of the replica while it compiled (the aim: 0)."""
+        family = self._family(CounterMetricFamily, "dflash:kernel_compilations",
+                              "Triton kernels compiled (or loaded from the on-disk cache) in this process, "
+                              "at start-up or while serving", ("phase",))
+        built = WATCH.compilations
+        serving = sum(1 for item in built if item.after_ready)
+        values = list(self.labels.values())
+        family.add_metric([*values, "startup"], len(built) - serving)
+        family.add_metric([*values, "serving"], serving)
+        return family
