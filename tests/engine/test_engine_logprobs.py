@@ -43,14 +43,15 @@ def run(target, drafter, prompts, params, **settings):
         llm.close()
 
 
-def assert_matches_hf(hf: HFTarget, out, num_top: int, num_prompt_top: int | None) -> None:
+def assert_matches_hf(hf: HFTarget, out, num_top: int, num_prompt_top: int | None, atol: float = ATOL
+                      ) -> None:
     """Every logprob of one RequestOutput against HF's log_softmax over prompt + output."""
     prompt_ids, tokens = out.prompt_token_ids, out.outputs[0].token_ids
     rows = hf.log_softmax(prompt_ids + tokens)
     entries = out.outputs[0].logprobs
     assert len(entries) == len(tokens)
     for j, (token, entry) in enumerate(zip(tokens, entries)):
-        assert_entry_matches(entry, rows[len(prompt_ids) - 1 + j], token, num_top, ATOL)
+        assert_entry_matches(entry, rows[len(prompt_ids) - 1 + j], token, num_top, atol)
         if num_top:
             assert entry.logprob == entry.top_logprobs[0]  # greedy: the top one, exactly
     if num_prompt_top is None:
@@ -58,7 +59,7 @@ def assert_matches_hf(hf: HFTarget, out, num_top: int, num_prompt_top: int | Non
         return
     assert len(out.prompt_logprobs) == len(prompt_ids) and out.prompt_logprobs[0] is None
     for i in range(1, len(prompt_ids)):
-        assert_entry_matches(out.prompt_logprobs[i], rows[i - 1], prompt_ids[i], num_prompt_top, ATOL)
+        assert_entry_matches(out.prompt_logprobs[i], rows[i - 1], prompt_ids[i], num_prompt_top, atol)
 
 
 @pytest.mark.parametrize("speculative", [False, True])
@@ -171,3 +172,30 @@ def test_preempted_requests_keep_their_logprobs_and_recompute_only_what_is_missi
     for out in outputs:
         assert len(out.outputs[0].token_ids) == 40
         assert_matches_hf(hf, out, 2, 1)
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_graph_replays_give_the_eager_steps_logprobs_and_hf_s_within_tf32(tmp_path, seed):
+    """The steady state replays CUDA graphs, which return logits; the logprobs are gathered from those
+    outside the graph, and equal the eager steps' (the same kernels at these lengths) and HF's within
+    the TF32 rounding of the attention kernels' fp32 dots."""
+    from near_ties import TF32_TIE
+
+    target, drafter = make_pair(tmp_path)
+    prompts = [prompt(n) for n in (5, 30, 17, 60, 9)]  # 5 sequences: graphs of 8 with 3 dummies
+    params = greedy(24, logprobs=5, prompt_logprobs=2)
+    cuda = dict(SETTINGS, device="cuda", dtype="float32", kv_cache_memory="64MiB", num_speculative_tokens=3)
+    outputs = {}
+    for eager in (True, False):
+        llm = LLM(target, drafter, enforce_eager=eager, **cuda)
+        outputs[eager] = llm.generate(prompts, params)
+        if not eager:
+            assert llm.assembly.runner.graphs.replays > 0
+        llm.close()
+    hf = HFTarget(target)
+    for a, b in zip(outputs[True], outputs[False]):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        entries = [out.outputs[0].logprobs + out.prompt_logprobs[1:] for out in (a, b)]
+        for x, y in zip(*entries):
+            assert x.token_id == y.token_id and abs(x.logprob - y.logprob) <= 1e-5
+        assert_matches_hf(hf, b, 5, 2, atol=TF32_TIE)
