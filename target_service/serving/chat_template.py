@@ -87,12 +87,19 @@ class ChatTemplate:
                   if value is not None}
         chat = [dict(message) for message in messages]
         try:
-            return self.template.render(messages=chat, add_generation_prompt=add_generation_prompt, **tokens)
+            prompt = self.template.render(messages=chat, add_generation_prompt=add_generation_prompt,
+                                          **tokens)
         except _TemplateRefusal as error:
             raise ChatTemplateError(f"the chat template refused the messages: {_one_line(error)}") from None
         except Exception as error:  # a template is code: any exception is its failure, not ours
             raise ChatTemplateError(f"{self.name}: the chat template failed to render "
                                     f"({type(error).__name__}: {_one_line(error)})") from None
+        dropped = [message for message in chat if message.get("role") == "tool" and message.get("content")
+                   and message["content"] not in prompt]
+        if dropped:  # a template that skips roles it does not know would lose the tool's answer silently
+            raise ChatTemplateError(f"{self.name}: the chat template does not render tool messages (the "
+                                    "content of one is not in the prompt it made)")
+        return prompt
 
 
 def load_chat_template(directory: str | Path) -> ChatTemplate:

@@ -97,6 +97,8 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     include_usage: bool | None = False
+    # vLLM's extension (GuideLLM always sends it): with include_usage, every chunk carries the usage so far
+    continuous_usage_stats: bool | None = False
 
 
 def _token_ids(value: Any) -> list[int] | None:
@@ -207,6 +209,11 @@ class _SamplingRequest(BaseModel):
     def include_usage(self) -> bool:
         """A streamed request's last chunk carries the usage (and no choices)."""
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Every chunk carries the usage so far too (vLLM's continuous_usage_stats, with include_usage)."""
+        return self.include_usage and bool(self.stream_options.continuous_usage_stats)
 
     def _max_tokens_field(self) -> tuple[str, int | None]:
         raise NotImplementedError
@@ -349,8 +356,20 @@ class ChatMessage(BaseModel):
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    role: Literal["system", "user", "assistant"]
+    # developer: OpenAI's newer name for system, rendered as system; tool: a tool's result, rendered
+    # where the chat template renders tool messages (else a 400 names the template)
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart]
+    name: str | None = None  # the speaker's name, handed to the template (most ignore it)
+    tool_call_id: str | None = None  # the call a tool message answers
+
+    def for_template(self) -> dict[str, str]:
+        """The message as chat templates read it: developer as system, no empty optional keys (a
+        template testing `'name' in message` sees only names that were given)."""
+        message = {"role": "system" if self.role == "developer" else self.role, "content": self.content}
+        optional = (("name", self.name), ("tool_call_id", self.tool_call_id))
+        message.update({key: value for key, value in optional if value is not None})
+        return message
 
     @field_validator("content", mode="before")
     @classmethod

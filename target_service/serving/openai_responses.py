@@ -77,7 +77,7 @@ class CompletionStreamChunk(BaseModel):
     created: int = Field(default_factory=_now)
     model: str
     choices: list[CompletionChoice]
-    usage: UsageInfo | None = None  # only on the last chunk, with no choices, when include_usage
+    usage: UsageInfo | None = None  # last chunk (no choices) with include_usage; all with continuous usage
 
 
 class AssistantMessage(BaseModel):
@@ -144,7 +144,7 @@ class ChatCompletionStreamChunk(BaseModel):
     created: int = Field(default_factory=_now)
     model: str
     choices: list[ChatCompletionStreamChoice]
-    usage: UsageInfo | None = None  # only on the last chunk, with no choices, when include_usage
+    usage: UsageInfo | None = None  # last chunk (no choices) with include_usage; all with continuous usage
 
 
 class ModelCard(BaseModel):

@@ -167,7 +167,8 @@ class OpenAIServer:
         self._check_model(request.model)
         self._check_choices(1, request.n or 1)
         try:
-            text = load_chat_template(self.target_dir).render(request.messages, request.add_generation_prompt)
+            messages = [message.for_template() for message in request.messages]
+            text = load_chat_template(self.target_dir).render(messages, request.add_generation_prompt)
         except ValueError as error:
             raise ApiError.bad_request(str(error), "messages") from None
         ids = await self._encode(text, "messages", add_special_tokens=False)
@@ -209,13 +210,14 @@ class OpenAIServer:
         """SSE events of a streamed completion. Everything that can refuse the request runs here,
         before the first event, so a refusal is an HTTP error status, not an event mid-stream."""
         jobs = self._preflight(await self.completion_jobs(request))
-        return self._completion_events(jobs, request.include_usage)
+        return self._completion_events(jobs, request.include_usage, request.continuous_usage)
 
     async def chat_stream(self, request: ChatCompletionRequest) -> AsyncIterator[str]:
         jobs = self._preflight(await self.chat_jobs(request))
-        return self._chat_events(jobs, request.include_usage)
+        return self._chat_events(jobs, request.include_usage, request.continuous_usage)
 
-    async def _completion_events(self, jobs: list[_Job], include_usage: bool) -> AsyncIterator[str]:
+    async def _completion_events(self, jobs: list[_Job], include_usage: bool, continuous: bool
+                                 ) -> AsyncIterator[str]:
         stream_id, created = random_id("cmpl"), int(time.time())
 
         def chunk(index, piece: Piece, reason):
@@ -227,10 +229,12 @@ class OpenAIServer:
                                           finish_reason=reason)],
             )
 
-        async for event in self._stream(jobs, chunk, include_usage, stream_id, created, chat=False):
+        async for event in self._stream(jobs, chunk, include_usage, stream_id, created, chat=False,
+                                        continuous=continuous):
             yield event
 
-    async def _chat_events(self, jobs: list[_Job], include_usage: bool) -> AsyncIterator[str]:
+    async def _chat_events(self, jobs: list[_Job], include_usage: bool, continuous: bool
+                           ) -> AsyncIterator[str]:
         stream_id, created = random_id("chatcmpl"), int(time.time())
         for job in jobs:  # the role comes first, once per choice
             yield sse_event(
@@ -254,7 +258,8 @@ class OpenAIServer:
                                                     finish_reason=reason)],
             )
 
-        async for event in self._stream(jobs, chunk, include_usage, stream_id, created, chat=True):
+        async for event in self._stream(jobs, chunk, include_usage, stream_id, created, chat=True,
+                                        continuous=continuous):
             yield event
 
     # ---- running ----------------------------------------------------------------------------------
@@ -339,10 +344,19 @@ class OpenAIServer:
             for task in tasks:
                 task.cancel()
 
-    async def _stream(self, jobs, chunk, include_usage: bool, stream_id: str, created: int, *, chat: bool):
-        """Every choice's deltas as SSE events, interleaved as they come; usage last when asked."""
+    async def _stream(self, jobs, chunk, include_usage: bool, stream_id: str, created: int, *, chat: bool,
+                      continuous: bool = False):
+        """Every choice's deltas as SSE events, interleaved as they come; usage last when asked, and
+        with `continuous` the usage so far on every chunk too (the choices' tokens up to it)."""
         events: asyncio.Queue = asyncio.Queue()
-        totals = {}
+        totals, so_far = {}, {}
+
+        def emit(job: _Job, delta, event) -> None:
+            if continuous:
+                so_far[job.index] = _num_generated(job, delta)
+                event.usage = UsageInfo(prompt_tokens=_prompt_tokens(jobs),
+                                        completion_tokens=sum(so_far.values()))
+            events.put_nowait(sse_event(event))
 
         def fail(error: ApiError) -> None:
             events.put_nowait(sse_event(error.to_response()))
@@ -357,10 +371,10 @@ class OpenAIServer:
                     piece = view.piece(delta)  # a chunk carries the logprobs of the tokens it carries
                     if delta.finish_reason == "error":  # what it streamed stands; it ends in an error
                         if piece.text or piece.num_tokens:
-                            events.put_nowait(sse_event(chunk(job.index, piece, None)))
+                            emit(job, delta, chunk(job.index, piece, None))
                         fail(ApiError.internal(FAILED_ALONE))
                     elif piece.text or delta.finished or (piece.num_tokens and piece.logprobs is not None):
-                        events.put_nowait(sse_event(chunk(job.index, piece, delta.finish_reason)))
+                        emit(job, delta, chunk(job.index, piece, delta.finish_reason))
                 self._observe(started, first, last)
                 totals[job.index] = _num_generated(job, last)
             except (QueueFull, EngineDead, ValueError) as error:

@@ -53,7 +53,7 @@ def test_a_chat_request_from_the_openai_client_keeps_its_messages_and_settings()
     body = client_body("chat", empty_chat, model="demo", messages=CHAT, max_completion_tokens=12,
                        temperature=0.0, n=2, seed=1, stop="END", extra_body={"add_generation_prompt": False})
     request = ChatCompletionRequest.from_body(body)
-    assert [message.model_dump() for message in request.messages] == CHAT
+    assert [message.model_dump(exclude_none=True) for message in request.messages] == CHAT
     assert request.add_generation_prompt is False
     params = request.to_sampling_params(num_prompt_tokens=30, max_model_len=64)
     assert params == [SamplingParams(max_tokens=12, temperature=0.0, seed=1, stop=["END"]),
@@ -159,10 +159,11 @@ COMPLETION_REFUSALS = [
 
 CHAT_REFUSALS = [
     ({"messages": []}, "messages"),
-    ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
+    ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
     ({"messages": [*CHAT, {"role": "user"}]}, "messages[4].content"),
     ({"messages": [{"role": "user", "content": {"text": "x"}}]}, "messages[0].content"),
-    ({"messages": [{"role": "user", "content": "x", "name": "bob"}]}, "messages[0].name"),
+    ({"messages": [{"role": "user", "content": "x", "name": 5}]}, "messages[0].name"),
+    ({"messages": [{"role": "user", "content": "x", "speaker": "bob"}]}, "messages[0].speaker"),
     ({"messages": CHAT, "max_tokens": 5, "max_completion_tokens": 6}, "max_completion_tokens"),
     ({"messages": CHAT, "max_completion_tokens": 0}, "max_completion_tokens"),
     ({"messages": CHAT, "logprobs": 1}, "logprobs"),
