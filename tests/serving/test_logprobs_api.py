@@ -11,9 +11,9 @@ import asyncio
 import json
 
 import httpx
-import openai
 import pytest
 import torch
+from asgi_openai import client, words
 from engine_helpers import make_pair
 
 from target_service.engine.sampling_params import SamplingParams
@@ -40,16 +40,6 @@ def served(tmp_path_factory):
     yield replica, create_app(holder), offline
     offline.close()
     replica.close()
-
-
-def client(app) -> openai.AsyncOpenAI:
-    transport = httpx.ASGITransport(app=app)
-    return openai.AsyncOpenAI(base_url="http://dflash.test/v1", api_key="none", max_retries=0,
-                              http_client=httpx.AsyncClient(transport=transport, base_url="http://dflash.test"))
-
-
-def words(count: int) -> str:
-    return " ".join(f"w{i}" for i in torch.randint(3, 160, (count,)).tolist())
 
 
 def token_texts(offline: LLM, ids: list[int]) -> list[str]:
