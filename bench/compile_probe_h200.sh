@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # What compiles after start-up on one H200, from an empty Triton cache: `bench.compile_probe` (the
 # in-process engine, Qwen3-8B shapes, plain and DFlash, bf16 and fp8 caches, under a randomised
-# workload), then, with GPU_TESTS=1, the GPU-marked tests once. One device call; carry [".whl"].
+# workload), then, with GPU_TESTS=1, the GPU-marked tests once. One device call; carry [".whl"]
+# (bench/device_wheels.sh makes it).
 #
 #   OUT=DIR bash bench/compile_probe_h200.sh [flags for bench.compile_probe]
 set -uo pipefail

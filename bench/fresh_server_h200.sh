@@ -3,7 +3,7 @@
 # geometry, random bf16 weights) for plain and DFlash decoding, each in a process of its own from an
 # empty Triton cache, then DFlash once more over the cache its first run filled (what a pod that keeps
 # its compile cache meets). One device call; carry [".whl"] (pydantic, gRPC, fastapi, uvicorn, httpx,
-# prometheus_client: wheels for the machine's Python 3.12, installed to /tmp/site).
+# prometheus_client: wheels for the machine's Python 3.12, installed to /tmp/site; bench/device_wheels.sh makes them).
 #
 #   OUT=DIR bash bench/fresh_server_h200.sh [flags for bench.fresh_server, e.g. --concurrency 8 32]
 set -uo pipefail

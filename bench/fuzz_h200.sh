@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Schemathesis and the soak's poisons against dflash serve's app on the H200 (bench/fuzz_gpu.py).
-# Carry [".whl"]: .whl/*.whl (pydantic, gRPC, protobuf) and .whl/fuzz/*.whl (fastapi, starlette,
-# uvicorn, and schemathesis with its dependencies; for Python 3.12). The server's packages go to
+# Carry [".whl"] (made by bench/device_wheels.sh): .whl/*.whl (pydantic, gRPC, protobuf, fastapi,
+# uvicorn, ...) and .whl/fuzz/*.whl (schemathesis with its dependencies; for Python 3.12). The server's packages go to
 # /tmp/site; schemathesis and its dependencies to /tmp/fuzz, which only its own process sees (its
 # pytest and hypothesis are not the image's).
 #
@@ -10,8 +10,7 @@ set -euo pipefail
 OUT=${OUT:-/tmp/fuzz_gpu}
 mkdir -p "$OUT"
 pip_into() { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$@"; }
-pip_into /tmp/site .whl/*.whl .whl/fuzz/fastapi-*.whl .whl/fuzz/starlette-*.whl .whl/fuzz/uvicorn-*.whl \
-    .whl/fuzz/annotated_doc-*.whl
+pip_into /tmp/site .whl/*.whl
 pip_into /tmp/fuzz .whl/fuzz/*.whl .whl/pydantic*.whl .whl/annotated_types*.whl .whl/typing_inspection*.whl
 cat > /tmp/fuzz/schemathesis-run <<'RUN'
 #!/usr/bin/env bash
