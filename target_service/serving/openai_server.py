@@ -97,7 +97,6 @@ class OpenAIServer:
         model_name: str,
         max_model_len: int,
         target_dir: str | Path,
-        metrics=None,
         api_key: str | None = None,
     ):
         self.engine = async_engine
@@ -105,7 +104,6 @@ class OpenAIServer:
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.target_dir = Path(target_dir)
-        self.metrics = metrics
         self.api_key = api_key
         self.draining = False
         self.in_flight = InFlight()
@@ -315,22 +313,19 @@ class OpenAIServer:
         return jobs
 
     async def _run_one(self, job: _Job) -> _Result:
-        """One choice, whole (the pieces its stream would send, joined); observes its latency."""
-        started, first, pieces, last, view = time.perf_counter(), None, [], None, job.view(self.token_texts)
+        """One choice, whole (the pieces its stream would send, joined). Its latency is timed by the
+        engine client's wrapper (`metered_engine`), where every delta passes."""
+        pieces, last, view = [], None, job.view(self.token_texts)
         try:
             async for delta in self.engine.generate(job.prompt_token_ids, job.params):
-                if first is None and delta.token_ids:
-                    first = time.perf_counter()
                 pieces.append(view.piece(delta))
                 last = delta
         except (QueueFull, EngineDead, ValueError) as error:
             raise _as_api_error(error) from None
         except asyncio.CancelledError:  # the client left, or the server stopped it: an aborted request
-            self._observe(started, first, last, aborted=True)
             if self.in_flight.stopped:
                 raise ApiError.unavailable(RETRY_AFTER_S, self.in_flight.stop_reason) from None
             raise
-        self._observe(started, first, last)
         if last.finish_reason == "error":
             raise ApiError.internal(FAILED_ALONE)
         return _Result(merge(pieces), last.finish_reason, _num_generated(job, last))
@@ -362,11 +357,9 @@ class OpenAIServer:
             events.put_nowait(sse_event(error.to_response()))
 
         async def pump(job: _Job):
-            started, first, last, view = time.perf_counter(), None, None, job.view(self.token_texts)
+            last, view = None, job.view(self.token_texts)
             try:
                 async for delta in self.engine.generate(job.prompt_token_ids, job.params):
-                    if first is None and delta.token_ids:
-                        first = time.perf_counter()
                     last = delta
                     piece = view.piece(delta)  # a chunk carries the logprobs of the tokens it carries
                     if delta.finish_reason == "error":  # what it streamed stands; it ends in an error
@@ -375,12 +368,10 @@ class OpenAIServer:
                         fail(ApiError.internal(FAILED_ALONE))
                     elif piece.text or delta.finished or (piece.num_tokens and piece.logprobs is not None):
                         emit(job, delta, chunk(job.index, piece, delta.finish_reason))
-                self._observe(started, first, last)
                 totals[job.index] = _num_generated(job, last)
             except (QueueFull, EngineDead, ValueError) as error:
                 fail(_as_api_error(error))
             except asyncio.CancelledError:  # the client left mid-stream, or the server stopped it
-                self._observe(started, first, last, aborted=True)
                 if not self.in_flight.stopped:
                     raise
                 fail(ApiError.unavailable(RETRY_AFTER_S, self.in_flight.stop_reason))
@@ -410,18 +401,6 @@ class OpenAIServer:
         finally:  # the client left (or the stream ended): stop what still runs, which aborts it
             for task in tasks:
                 task.cancel()
-
-    def _observe(self, started: float, first: float | None, last, *, aborted: bool = False) -> None:
-        """One finished (or, `aborted`, abandoned) request into the metrics."""
-        if self.metrics is None or (last is None and not aborted):
-            return
-        now = time.perf_counter()
-        self.metrics.observe(
-            first_token_s=(first or now) - started,
-            total_s=now - started,
-            num_output_tokens=last.num_output_tokens if last is not None else 0,
-            finish_reason="abort" if aborted else last.finish_reason,
-        )
 
     def _usage(self, jobs: list[_Job], results: list[_Result]) -> UsageInfo:
         return UsageInfo(prompt_tokens=_prompt_tokens(jobs),
