@@ -2,8 +2,9 @@
 
 It turns a validated request into engine requests (prompts tokenized, chats rendered with the
 checkpoint's template, one `SamplingParams` per choice), runs them on an `EngineClient`, and turns
-their deltas into responses or stream chunks. It knows nothing of HTTP: the routes (`api.py`) parse,
-authenticate and call it; errors are `ApiError`s the routes send as they are.
+their deltas into responses; `openai_streams` turns them into stream chunks. It knows nothing of
+HTTP: the routes (`api.py`) parse, authenticate and call it; errors are `ApiError`s the routes send
+as they are.
 
 Tokenizing runs on a worker thread (a long prompt takes about a second a MiB), so the event loop
 keeps streaming the other requests meanwhile.
@@ -20,72 +21,40 @@ piece per engine delta; a whole response joins the pieces its stream would send.
 from __future__ import annotations
 
 import asyncio
-import logging
-import re
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from pathlib import Path
-
-from tokenizers import normalizers
 
 from target_service.engine.engine_client import EngineClient, EngineDead, QueueFull
 from target_service.serving.api_errors import ApiError
 from target_service.serving.chat_template import load_chat_template
 from target_service.serving.in_flight import InFlight
-from target_service.serving.openai_choices import ChoiceAsks, ChoiceView, Piece, TokenTexts, merge
+from target_service.serving.openai_choices import ChoiceAsks, TokenTexts, merge
+from target_service.serving.openai_jobs import (
+    FAILED_ALONE,
+    RETRY_AFTER_S,
+    ChoiceResult,
+    Job,
+    as_api_error,
+    num_generated,
+    prompt_tokens,
+)
 from target_service.serving.openai_protocol import ChatCompletionRequest, CompletionRequest
 from target_service.serving.openai_responses import (
-    SSE_DONE,
     AssistantMessage,
     ChatCompletionChoice,
     ChatCompletionResponse,
-    ChatCompletionStreamChoice,
-    ChatCompletionStreamChunk,
     CompletionChoice,
     CompletionResponse,
-    CompletionStreamChunk,
-    DeltaMessage,
     ModelCard,
     ModelList,
     UsageInfo,
-    random_id,
-    sse_event,
 )
+from target_service.serving.openai_streams import ChoiceStreams
+from target_service.serving.prompt_chars import max_prompt_chars
 
-logger = logging.getLogger(__name__)
-
-RETRY_AFTER_S = 1
 DRAIN_POLL_S = 0.05
 STOP_GRACE_S = 2.0  # how long stopped requests get to send their answers
-FAILED_ALONE = ("the engine failed on this request (the server log has the details); the server's other "
-                "requests were not affected")
-
-
-@dataclass
-class _Job:
-    """One choice: which engine request, for which prompt, with which params, returning what."""
-
-    index: int
-    prompt_token_ids: list[int]
-    params: object
-    asks: ChoiceAsks = field(default_factory=ChoiceAsks)
-    prompt_text: str | None = None  # echoed before the output (None: the ids decoded, once checked)
-
-    def view(self, texts: TokenTexts) -> ChoiceView:
-        text = self.prompt_text
-        if text is None:
-            text = texts.prompt_text(self.prompt_token_ids) if self.asks.echo else ""
-        return ChoiceView(self.asks, texts, self.prompt_token_ids, text)
-
-
-@dataclass
-class _Result:
-    """One finished choice."""
-
-    piece: Piece  # its text and logprobs, whole
-    finish_reason: str | None
-    num_output_tokens: int  # generated tokens it returns (usage)
 
 
 class OpenAIServer:
@@ -109,6 +78,7 @@ class OpenAIServer:
         self.in_flight = InFlight()
         self.max_prompt_chars = max_prompt_chars(tokenizer, max_model_len)
         self.token_texts = TokenTexts(tokenizer)
+        self.streams = ChoiceStreams(async_engine, self.in_flight, self.token_texts, model_name)
 
     # ---- reading ----------------------------------------------------------------------------------
 
@@ -148,7 +118,7 @@ class OpenAIServer:
 
     # ---- requests ---------------------------------------------------------------------------------
 
-    async def completion_jobs(self, request: CompletionRequest) -> list[_Job]:
+    async def completion_jobs(self, request: CompletionRequest) -> list[Job]:
         self._check_model(request.model)
         prompts = request.prompts()
         self._check_choices(len(prompts), request.n or 1)
@@ -158,10 +128,10 @@ class OpenAIServer:
             ids = await self._encode(prompt, "prompt")
             text = prompt if isinstance(prompt, str) else None
             for j, params in enumerate(request.to_sampling_params(len(ids), self.max_model_len)):
-                jobs.append(_Job(number * (request.n or 1) + j, ids, params, asks, text))
+                jobs.append(Job(number * (request.n or 1) + j, ids, params, asks, text))
         return jobs
 
-    async def chat_jobs(self, request: ChatCompletionRequest) -> list[_Job]:
+    async def chat_jobs(self, request: ChatCompletionRequest) -> list[Job]:
         self._check_model(request.model)
         self._check_choices(1, request.n or 1)
         try:
@@ -172,7 +142,7 @@ class OpenAIServer:
         ids = await self._encode(text, "messages", add_special_tokens=False)
         asks = ChoiceAsks(request.num_logprobs, chat=True)
         return [
-            _Job(j, ids, params, asks)
+            Job(j, ids, params, asks)
             for j, params in enumerate(request.to_sampling_params(len(ids), self.max_model_len))
         ]
 
@@ -208,57 +178,11 @@ class OpenAIServer:
         """SSE events of a streamed completion. Everything that can refuse the request runs here,
         before the first event, so a refusal is an HTTP error status, not an event mid-stream."""
         jobs = self._preflight(await self.completion_jobs(request))
-        return self._completion_events(jobs, request.include_usage, request.continuous_usage)
+        return self.streams.completion(jobs, request.include_usage, request.continuous_usage)
 
     async def chat_stream(self, request: ChatCompletionRequest) -> AsyncIterator[str]:
         jobs = self._preflight(await self.chat_jobs(request))
-        return self._chat_events(jobs, request.include_usage, request.continuous_usage)
-
-    async def _completion_events(self, jobs: list[_Job], include_usage: bool, continuous: bool
-                                 ) -> AsyncIterator[str]:
-        stream_id, created = random_id("cmpl"), int(time.time())
-
-        def chunk(index, piece: Piece, reason):
-            return CompletionStreamChunk(
-                id=stream_id,
-                created=created,
-                model=self.model_name,
-                choices=[CompletionChoice(index=index, text=piece.text, logprobs=piece.logprobs,
-                                          finish_reason=reason)],
-            )
-
-        async for event in self._stream(jobs, chunk, include_usage, stream_id, created, chat=False,
-                                        continuous=continuous):
-            yield event
-
-    async def _chat_events(self, jobs: list[_Job], include_usage: bool, continuous: bool
-                           ) -> AsyncIterator[str]:
-        stream_id, created = random_id("chatcmpl"), int(time.time())
-        for job in jobs:  # the role comes first, once per choice
-            yield sse_event(
-                ChatCompletionStreamChunk(
-                    id=stream_id,
-                    created=created,
-                    model=self.model_name,
-                    choices=[
-                        ChatCompletionStreamChoice(index=job.index, delta=DeltaMessage(role="assistant"))
-                    ],
-                )
-            )
-
-        def chunk(index, piece: Piece, reason):
-            delta = DeltaMessage(content=piece.text) if piece.text else DeltaMessage()
-            return ChatCompletionStreamChunk(
-                id=stream_id,
-                created=created,
-                model=self.model_name,
-                choices=[ChatCompletionStreamChoice(index=index, delta=delta, logprobs=piece.logprobs,
-                                                    finish_reason=reason)],
-            )
-
-        async for event in self._stream(jobs, chunk, include_usage, stream_id, created, chat=True,
-                                        continuous=continuous):
-            yield event
+        return self.streams.chat(jobs, request.include_usage, request.continuous_usage)
 
     # ---- running ----------------------------------------------------------------------------------
 
@@ -293,7 +217,7 @@ class OpenAIServer:
                                           add_special_tokens=add_special_tokens)
         return encoded[0].ids
 
-    def _preflight(self, jobs: list[_Job]) -> list[_Job]:
+    def _preflight(self, jobs: list[Job]) -> list[Job]:
         """Refuse now what would fail later: shutting down, a full queue, a prompt the pool cannot hold."""
         if self.draining:
             raise ApiError.unavailable(RETRY_AFTER_S, "the server is shutting down")
@@ -312,7 +236,7 @@ class OpenAIServer:
                 raise ApiError.bad_request(str(error), "prompt") from None
         return jobs
 
-    async def _run_one(self, job: _Job) -> _Result:
+    async def _run_one(self, job: Job) -> ChoiceResult:
         """One choice, whole (the pieces its stream would send, joined). Its latency is timed by the
         engine client's wrapper (`metered_engine`), where every delta passes."""
         pieces, last, view = [], None, job.view(self.token_texts)
@@ -321,16 +245,16 @@ class OpenAIServer:
                 pieces.append(view.piece(delta))
                 last = delta
         except (QueueFull, EngineDead, ValueError) as error:
-            raise _as_api_error(error) from None
+            raise as_api_error(error) from None
         except asyncio.CancelledError:  # the client left, or the server stopped it: an aborted request
             if self.in_flight.stopped:
                 raise ApiError.unavailable(RETRY_AFTER_S, self.in_flight.stop_reason) from None
             raise
         if last.finish_reason == "error":
             raise ApiError.internal(FAILED_ALONE)
-        return _Result(merge(pieces), last.finish_reason, _num_generated(job, last))
+        return ChoiceResult(merge(pieces), last.finish_reason, num_generated(job, last))
 
-    async def _run_all(self, jobs: list[_Job]) -> list[_Result]:
+    async def _run_all(self, jobs: list[Job]) -> list[ChoiceResult]:
         """Every choice concurrently; if one fails (or the client leaves), the others are cancelled."""
         tasks = [self.in_flight.start(self._run_one(job)) for job in jobs]
         try:
@@ -339,102 +263,9 @@ class OpenAIServer:
             for task in tasks:
                 task.cancel()
 
-    async def _stream(self, jobs, chunk, include_usage: bool, stream_id: str, created: int, *, chat: bool,
-                      continuous: bool = False):
-        """Every choice's deltas as SSE events, interleaved as they come; usage last when asked, and
-        with `continuous` the usage so far on every chunk too (the choices' tokens up to it)."""
-        events: asyncio.Queue = asyncio.Queue()
-        totals, so_far = {}, {}
-
-        def emit(job: _Job, delta, event) -> None:
-            if continuous:
-                so_far[job.index] = _num_generated(job, delta)
-                event.usage = UsageInfo(prompt_tokens=_prompt_tokens(jobs),
-                                        completion_tokens=sum(so_far.values()))
-            events.put_nowait(sse_event(event))
-
-        def fail(error: ApiError) -> None:
-            events.put_nowait(sse_event(error.to_response()))
-
-        async def pump(job: _Job):
-            last, view = None, job.view(self.token_texts)
-            try:
-                async for delta in self.engine.generate(job.prompt_token_ids, job.params):
-                    last = delta
-                    piece = view.piece(delta)  # a chunk carries the logprobs of the tokens it carries
-                    if delta.finish_reason == "error":  # what it streamed stands; it ends in an error
-                        if piece.text or piece.num_tokens:
-                            emit(job, delta, chunk(job.index, piece, None))
-                        fail(ApiError.internal(FAILED_ALONE))
-                    elif piece.text or delta.finished or (piece.num_tokens and piece.logprobs is not None):
-                        emit(job, delta, chunk(job.index, piece, delta.finish_reason))
-                totals[job.index] = _num_generated(job, last)
-            except (QueueFull, EngineDead, ValueError) as error:
-                fail(_as_api_error(error))
-            except asyncio.CancelledError:  # the client left mid-stream, or the server stopped it
-                if not self.in_flight.stopped:
-                    raise
-                fail(ApiError.unavailable(RETRY_AFTER_S, self.in_flight.stop_reason))
-            except Exception as error:  # a bug: this stream says so and ends; the others go on
-                logger.exception("a stream's request failed")
-                fail(ApiError.internal(f"the server failed on this request ({type(error).__name__}); "
-                                       "the server log has the details"))
-            finally:
-                events.put_nowait(None)
-
-        tasks = [self.in_flight.start(pump(job)) for job in jobs]
-        try:
-            done = 0
-            while done < len(tasks):
-                event = await events.get()
-                if event is None:
-                    done += 1
-                else:
-                    yield event
-            if include_usage:
-                usage = UsageInfo(prompt_tokens=_prompt_tokens(jobs), completion_tokens=sum(totals.values()))
-                kind = ChatCompletionStreamChunk if chat else CompletionStreamChunk
-                yield sse_event(
-                    kind(id=stream_id, created=created, model=self.model_name, choices=[], usage=usage)
-                )
-            yield SSE_DONE
-        finally:  # the client left (or the stream ended): stop what still runs, which aborts it
-            for task in tasks:
-                task.cancel()
-
-    def _usage(self, jobs: list[_Job], results: list[_Result]) -> UsageInfo:
-        return UsageInfo(prompt_tokens=_prompt_tokens(jobs),
+    def _usage(self, jobs: list[Job], results: list[ChoiceResult]) -> UsageInfo:
+        return UsageInfo(prompt_tokens=prompt_tokens(jobs),
                          completion_tokens=sum(result.num_output_tokens for result in results))
-
-
-def max_prompt_chars(tokenizer, max_model_len: int) -> int | None:
-    """The most characters a text of max_model_len tokens can have, or None where no bound is known.
-
-    Under a byte-level pre-tokenizer every byte of the text becomes one character of some token's
-    vocabulary string (a character is at least one byte), so a token covers at most as many
-    characters as its longest vocabulary string; Unicode normalization composes at most 4 code
-    points into one. Anything else (a normalizer that replaces or strips, a pre-tokenizer that drops
-    characters, unknown tokens fused into one) can make one token cover any number: no bound then.
-    """
-    get_vocab = getattr(tokenizer, "get_vocab", None)
-    normalizer = getattr(tokenizer, "normalizer", None)
-    if get_vocab is None or getattr(getattr(tokenizer, "model", None), "fuse_unk", False):
-        return None
-    if not _keeps_every_byte(getattr(tokenizer, "pre_tokenizer", None)):
-        return None
-    unicode_forms = (normalizers.NFC, normalizers.NFD, normalizers.NFKC, normalizers.NFKD)
-    if normalizer is not None and not isinstance(normalizer, unicode_forms):
-        return None
-    longest = max(map(len, get_vocab(with_added_tokens=True)), default=0)
-    return max_model_len * longest * (1 if normalizer is None else 4) if longest else None
-
-
-def _keeps_every_byte(pre_tokenizer) -> bool:
-    """A ByteLevel pre-tokenizer, alone or after Splits that keep what they split on (Qwen's, GPT's)."""
-    spelled = repr(pre_tokenizer)
-    kinds = set(re.findall(r"([A-Za-z]+)\(", spelled))
-    known = {"ByteLevel", "Sequence", "Split", "Regex", "String"}
-    return "ByteLevel" in kinds and kinds <= known and "Removed" not in spelled
 
 
 def drain_expired(timeout_s: float) -> str:
@@ -447,29 +278,3 @@ def _wait_until_empty(in_flight: InFlight, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while len(in_flight) and time.monotonic() < deadline:
         time.sleep(DRAIN_POLL_S)
-
-
-def _num_generated(job: _Job, last) -> int:
-    """The generated tokens a choice returns: none for echo alone (max_tokens 0)."""
-    return 0 if job.asks.echo_only else last.num_output_tokens
-
-
-def _prompt_tokens(jobs: list[_Job]) -> int:
-    """Prompt tokens counted once per prompt (n choices of one prompt share it, as OpenAI counts)."""
-    seen, total = set(), 0
-    for job in jobs:
-        key = id(job.prompt_token_ids)
-        if key not in seen:
-            seen.add(key)
-            total += len(job.prompt_token_ids)
-    return total
-
-
-def _as_api_error(error: Exception) -> ApiError:
-    if isinstance(error, ApiError):
-        return error
-    if isinstance(error, QueueFull):
-        return ApiError.overloaded(error.retry_after_s, str(error))
-    if isinstance(error, EngineDead):
-        return ApiError.unavailable(RETRY_AFTER_S, str(error))
-    return ApiError.bad_request(str(error), "prompt")

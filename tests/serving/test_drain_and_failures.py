@@ -19,7 +19,7 @@ from target_service.engine.sampling_params import SamplingParams
 from target_service.llm import LLM
 from target_service.runner import model_runner
 from target_service.serving.api import ServerHolder, create_app
-from target_service.serving.openai_server import FAILED_ALONE
+from target_service.serving.openai_jobs import FAILED_ALONE
 from target_service.serving.replica import Replica
 from target_service.serving.serve_args import ServeArgs
 

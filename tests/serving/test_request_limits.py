@@ -25,7 +25,7 @@ from target_service.serving.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
 )
-from target_service.serving.openai_server import max_prompt_chars
+from target_service.serving.prompt_chars import max_prompt_chars
 from target_service.serving.request_body import MAX_BODY_BYTES, MAX_JSON_DEPTH
 
 DEMO_TOKENIZER = open_target_checkpoint(demo_target_path()).tokenizer
