@@ -17,7 +17,7 @@ download() {
 mkdir -p .whl/fuzz
 download --no-deps -d .whl "grpcio==1.85.1" "grpcio-health-checking==1.85.1" "grpcio-reflection==1.85.1" \
     "protobuf>=7.35.1,<8" "pydantic==2.14.4" "pydantic-core==2.50.5" annotated-types typing-inspection \
-    "typing-extensions>=4.16" "fastapi==0.165.*" "starlette==1.10.*" "uvicorn==0.55.*" h11 annotated-doc click \
+    "typing-extensions>=4.16" "fastapi==0.165.*" "opentelemetry-api==1.45.*" "starlette==1.10.*" "uvicorn==0.55.*" h11 annotated-doc click \
     prometheus-client httpx httpcore anyio sniffio idna certifi tqdm
 download -d .whl/fuzz "schemathesis==4.32.5"
 ls .whl/*.whl | wc -l | xargs echo "server wheels:"
