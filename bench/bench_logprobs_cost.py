@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import statistics
 import subprocess
@@ -92,7 +93,8 @@ def engine_settings(args, device: torch.device) -> dict:
     settings = dict(device=str(device), dtype=args.dtype, max_num_seqs=args.batch, max_model_len=longest + 64)
     if device.type == "cpu":
         return dict(settings, kv_cache_memory="256MiB")
-    return dict(settings, cuda_graph_sizes=[args.batch])
+    # a pool for this batch only: 90% of the GPU held by the first engine would leave the second none
+    return dict(settings, cuda_graph_sizes=[args.batch], kv_cache_memory="8GiB")
 
 
 def report(record: dict, args) -> str:
@@ -137,6 +139,10 @@ def main() -> None:
         results[method] = measure(llm, args, llm.engine.vocab_size, clock)
         results[method]["acceptance_length"] = llm.stats.mean_acceptance_length
         llm.close()
+        del llm  # the next engine loads its weights where this one's were
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
     flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None)
     record = {"device": device_name(device), "clock": clock.__name__,
