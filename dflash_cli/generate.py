@@ -21,6 +21,12 @@ def register(subparsers) -> None:
                                           "default: the demo drafter with the demo target, else none)")
     parser.add_argument("-k", "--num-speculative-tokens", type=int,
                         help="drafts per step (default: block_size - 1)")
+    parser.add_argument("--speculative-method", choices=("dflash", "ngram", "hybrid"),
+                        help="who drafts: the DFlash drafter, prompt lookup over the prompt and output "
+                             "(ngram: no drafter), or per sequence and step the better of the two (hybrid); "
+                             "default: dflash with a drafter, plain decoding without")
+    parser.add_argument("--prompt-lookup-min", type=int, default=1, help="shortest n-gram lookup matches")
+    parser.add_argument("--prompt-lookup-max", type=int, default=3, help="longest n-gram lookup matches")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--top-p", type=float, default=1.0)
@@ -58,6 +64,8 @@ def run(args: argparse.Namespace) -> int:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos)
     llm = LLM(args.target, args.drafter, num_speculative_tokens=args.num_speculative_tokens,
+              speculative_method=args.speculative_method, prompt_lookup_min=args.prompt_lookup_min,
+              prompt_lookup_max=args.prompt_lookup_max,
               context_storage=args.context_storage, kv_cache_memory=args.kv_cache_memory,
               max_model_len=args.max_model_len, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
               device=args.device, max_num_seqs=1,

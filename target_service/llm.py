@@ -29,7 +29,8 @@ class LLM:
     """
 
     def __init__(self, target: str | None = None, drafter: str | None = None, *,
-                 num_speculative_tokens: int | None = None,
+                 num_speculative_tokens: int | None = None, speculative_method: str | None = None,
+                 prompt_lookup_min: int = 1, prompt_lookup_max: int = 3,
                  context_storage: str = "paged", dtype: str | None = None, kv_cache_dtype: str = "auto",
                  device: str | None = None,
                  max_model_len: int | None = None, max_num_seqs: int = 256, kv_cache_memory=None,
@@ -42,10 +43,12 @@ class LLM:
                  services: Literal["inprocess", "ray"] = "inprocess", address: str | None = None):
         if services not in ("inprocess", "ray"):
             raise ValueError(f"services must be 'inprocess' or 'ray', got {services!r}")
-        target, drafter = resolve_pair(target, drafter)
+        target, drafter = resolve_pair(target, drafter, speculative_method)
         self.args = engine_args(
             target=target, drafter=drafter,
-            num_speculative_tokens=num_speculative_tokens, context_storage=context_storage, dtype=dtype,
+            num_speculative_tokens=num_speculative_tokens, speculative_method=speculative_method,
+            prompt_lookup_min=prompt_lookup_min, prompt_lookup_max=prompt_lookup_max,
+            context_storage=context_storage, dtype=dtype,
             kv_cache_dtype=kv_cache_dtype, device=device, max_model_len=max_model_len,
             max_num_seqs=max_num_seqs,
             kv_cache_memory=kv_cache_memory, gpu_memory_utilization=gpu_memory_utilization,

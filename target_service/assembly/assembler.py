@@ -25,6 +25,7 @@ from target_service.assembly.plan import EnginePlan
 from target_service.engine.engine import LLMEngine
 from target_service.engine.scheduler import Scheduler
 from target_service.engine.stop_checker import StopChecker
+from target_service.proposers.choose import make_proposer
 from target_service.runner.checkpoint import load_target, open_target_checkpoint
 from target_service.runner.cuda_graphs import GraphKey, TargetGraphs
 from target_service.runner.memory_budget import device_kv_budget
@@ -79,16 +80,17 @@ class TargetAssembler:
         plan = self.plan
         if (drafter is None) != (plan.drafter_config is None):
             raise ValueError("a drafter was configured but none was given, or the reverse")
-        if drafter is not None and self.buffers is None:
-            raise RuntimeError("create_step_buffers() comes before build() when there is a drafter")
+        if plan.block_size is not None and self.buffers is None:
+            raise RuntimeError("create_step_buffers() comes before build() when there is a proposer")
         if drafter is not None and drafter.block_size != plan.block_size:
             raise ValueError(f"the drafter's block_size {drafter.block_size} differs from its config's "
                              f"{plan.block_size}")
+        proposer = make_proposer(plan, drafter, self.buffers)
         caches, layout = self._attach(pool_handle)
         limits = pool.limits()
         self._warm_up_attention(caches)
         self.runner = ModelRunner(self._model(), caches, tokens_per_block=limits.tokens_per_block,
-                                  draft_budget=plan.draft_budget(), drafter=drafter,
+                                  draft_budget=plan.draft_budget(), drafter=proposer,
                                   step_buffers=self.buffers, graphs=self._graphs(caches, layout),
                                   seed=plan.args.seed)
         scheduler = Scheduler(pool, max_num_seqs=plan.args.max_num_seqs,
@@ -97,7 +99,7 @@ class TargetAssembler:
                               max_prefill_tokens_with_decodes=plan.args.max_prefill_tokens_with_decodes)
         stop_checker = StopChecker(self.checkpoint.eos_token_ids, self.checkpoint.tokenizer)
         engine = LLMEngine(self.runner, scheduler, limits=limits, stop_checker=stop_checker,
-                           async_scheduling=plan.args.async_scheduling, on_pool_lost=on_pool_lost)
+                           async_scheduling=plan.async_scheduling, on_pool_lost=on_pool_lost)
         WATCH.mark_ready()
         return engine
 
@@ -138,8 +140,10 @@ class TargetAssembler:
         plan = self.plan
         if self.device.type != "cuda" or plan.args.enforce_eager:
             return None
-        keys = ([GraphKey(plan.num_speculative_tokens + 1, True), GraphKey(1, True)]
-                if plan.drafter_config is not None else [GraphKey(1, False)])
+        taps = plan.drafter_config is not None  # only the DFlash drafter reads the target's hidden states
+        keys = [GraphKey(1, taps)]
+        if plan.num_speculative_tokens:
+            keys.insert(0, GraphKey(plan.num_speculative_tokens + 1, taps))
         sizes = capture_sizes(plan.args.max_num_seqs, plan.args.cuda_graph_sizes)
         max_blocks = -(-plan.max_model_len // layout.spec.tokens_per_block)
         return TargetGraphs(self._model(), caches, sizes=sizes, keys=keys, max_blocks_per_seq=max_blocks,

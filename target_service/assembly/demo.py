@@ -36,11 +36,13 @@ def demo_drafter_path() -> Path:
     return _demo("drafter")
 
 
-def resolve_pair(target: str | Path | None, drafter: str | Path | None) -> tuple[str, str | None]:
-    """(target, drafter or None) to load: no target -> the demo pair; drafter 'none' -> plain decoding."""
+def resolve_pair(target: str | Path | None, drafter: str | Path | None,
+                 speculative_method: str | None = None) -> tuple[str, str | None]:
+    """(target, drafter or None) to load: no target -> the demo pair (the demo target alone for prompt
+    lookup, which takes no drafter); drafter 'none' -> plain decoding."""
     if target is None:
         target = demo_target_path()
-        if drafter is None:
+        if drafter is None and speculative_method != "ngram":
             drafter = demo_drafter_path()
     if drafter is not None and str(drafter) == NO_DRAFTER:
         drafter = None

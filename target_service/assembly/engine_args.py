@@ -24,6 +24,11 @@ class EngineArgs(BaseModel):
     target: str
     drafter: str | None = None
     num_speculative_tokens: int | None = Field(None, ge=1)
+    # who drafts: "dflash" (the drafter), "ngram" (prompt lookup, no drafter), "hybrid" (per sequence
+    # and step, the better of the two); None: dflash when a drafter is given, plain decoding otherwise
+    speculative_method: Literal["dflash", "ngram", "hybrid"] | None = None
+    prompt_lookup_min: int = Field(1, ge=1)  # the shortest n-gram prompt lookup matches
+    prompt_lookup_max: int = Field(3, ge=1)  # ... and the longest (tried first)
     context_storage: Literal["paged", "dense"] = "paged"
     dtype: Literal["bfloat16", "float16", "float32", "bf16", "fp16", "fp32"] | None = None
     # "fp8": the target's K/V pages in float8 e4m3 with per-layer scales of 1.0 (half the bytes of bf16

@@ -31,6 +31,9 @@ from kvpool_service.geometry import DTYPE_NAMES, PoolSpec
 from target_service.assembly.engine_args import EngineArgs
 from target_service.engine.draft_budget import DraftBudget
 
+TOKEN_METHODS = ("ngram", "hybrid")  # the methods whose proposals read the host's tokens
+NGRAM_DEFAULT_K = 7  # prompt lookup's drafts per step when not given (a drafter's block sets its own)
+
 
 class EnginePlan(BaseModel):
     """What one engine is built from; read its fields, never the raw args, where they differ."""
@@ -43,13 +46,22 @@ class EnginePlan(BaseModel):
     kv_dtype: str  # the compute dtype by name: the taps', the draft context's (e.g. "bfloat16")
     target_cache_dtype: str  # the target's K/V pages: kv_dtype, or float8 e4m3 (kv_cache_dtype "fp8")
     max_model_len: int
-    num_speculative_tokens: int  # K; 0 without a drafter
+    num_speculative_tokens: int  # K; 0 without speculation
+    speculative_method: str | None  # "dflash", "ngram" or "hybrid"; None: plain decoding
     target_config: TargetConfig
     drafter_config: DrafterConfig | None
 
     @property
     def block_size(self) -> int | None:
-        return self.drafter_config.block_size if self.drafter_config is not None else None
+        """The proposer's block (a step verifies at most block_size - 1 drafts); None: no proposer."""
+        if self.drafter_config is not None:
+            return self.drafter_config.block_size
+        return self.num_speculative_tokens + 1 if self.speculative_method == "ngram" else None
+
+    @property
+    def async_scheduling(self) -> bool:
+        """Prompt lookup reads the tokens on the host, which a step launched ahead has not delivered."""
+        return self.args.async_scheduling and self.speculative_method not in TOKEN_METHODS
 
     @property
     def tap_layer_ids(self) -> list[int]:
@@ -88,15 +100,19 @@ class EnginePlan(BaseModel):
                            cuda_graph_sizes=args.cuda_graph_sizes)
 
     def step_buffer_layout(self) -> StepBufferLayout | None:
-        """The buffers the target fills and the drafter maps (None without a drafter)."""
-        if self.drafter_config is None:
+        """The buffers the target fills and the drafter maps (None without a proposer). Prompt lookup
+        alone stores no context: its context side is one row wide."""
+        if self.block_size is None:
             return None
         args = self.args
+        stores_context = self.drafter_config is not None
         return StepBufferLayout(
             max_num_seqs=args.max_num_seqs,
             max_blocks_per_seq=-(-self.max_model_len // args.tokens_per_block),
-            max_num_draft=self.drafter_config.block_size - 1, max_context_rows=args.max_num_batched_tokens,
-            tap_width=len(self.tap_layer_ids) * self.target_config.hidden_size, tap_dtype=self.kv_dtype)
+            max_num_draft=self.block_size - 1,
+            max_context_rows=args.max_num_batched_tokens if stores_context else 1,
+            tap_width=len(self.tap_layer_ids) * self.target_config.hidden_size if stores_context else 1,
+            tap_dtype=self.kv_dtype)
 
     def for_ray_actors(self) -> EnginePlan:
         """This plan as each service actor runs it: Ray gives every actor its GPU, which it sees as
@@ -115,6 +131,7 @@ def resolve_plan(args: EngineArgs, *, cuda_devices: int | None = None) -> Engine
     """
     device = resolve_device_name(args.device, cuda_device_count() if cuda_devices is None else cuda_devices)
     target = load_target_config(args.target)
+    method = speculative_method(args)
     drafter = load_drafter_config(args.drafter) if args.drafter is not None else None
     if drafter is not None:
         check_drafter_fits(target, drafter)
@@ -127,9 +144,9 @@ def resolve_plan(args: EngineArgs, *, cuda_devices: int | None = None) -> Engine
         args=args, device=device, dtype=dtype, kv_dtype=kv_dtype,
         target_cache_dtype=DTYPE_NAMES["fp8"] if args.kv_cache_dtype == "fp8" else kv_dtype,
         max_model_len=args.max_model_len or target.max_position_embeddings,
-        num_speculative_tokens=num_speculative_tokens(args.num_speculative_tokens,
+        num_speculative_tokens=num_speculative_tokens(args.num_speculative_tokens, method,
                                                       drafter.block_size if drafter is not None else None),
-        target_config=target, drafter_config=drafter)
+        speculative_method=method, target_config=target, drafter_config=drafter)
     try:
         plan.pool_spec()  # the pool's geometry refuses what it cannot page (a tokens_per_block, a dtype)
     except ValidationError as error:
@@ -149,11 +166,31 @@ def compute_dtype(asked: str | None, device: str) -> str | None:
     return "float32" if device == "cpu" else None
 
 
-def num_speculative_tokens(asked: int | None, block_size: int | None) -> int:
-    """K for a drafter of `block_size` (None: no drafter): at most block_size - 1, that by default."""
+def speculative_method(args: EngineArgs) -> str | None:
+    """Who drafts: the method asked for, checked against the drafter given; by default the drafter,
+    or nobody without one."""
+    method = args.speculative_method
+    if args.prompt_lookup_min > args.prompt_lookup_max:
+        raise ValueError(f"prompt_lookup_min {args.prompt_lookup_min} exceeds prompt_lookup_max "
+                         f"{args.prompt_lookup_max}")
+    if method is None:
+        return "dflash" if args.drafter is not None else None
+    if method == "ngram" and args.drafter is not None:
+        raise ValueError("speculative_method 'ngram' drafts by prompt lookup and takes no drafter; "
+                         "give 'hybrid' to use both")
+    if method in ("dflash", "hybrid") and args.drafter is None:
+        raise ValueError(f"speculative_method {method!r} needs a drafter")
+    return method
+
+
+def num_speculative_tokens(asked: int | None, method: str | None, block_size: int | None) -> int:
+    """K: for a drafter of `block_size` at most block_size - 1, that by default; for prompt lookup
+    alone `NGRAM_DEFAULT_K` by default; 0 for plain decoding."""
+    if method == "ngram":
+        return asked or NGRAM_DEFAULT_K
     if block_size is None:
         if asked:
-            raise ValueError("num_speculative_tokens needs a drafter")
+            raise ValueError("num_speculative_tokens needs a drafter or speculative_method 'ngram'")
         return 0
     limit = block_size - 1
     value = asked or limit

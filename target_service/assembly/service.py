@@ -131,8 +131,8 @@ class TargetService:
         if self.engine is not None:
             return os.getpid()
         self.pool, self.control = self._reach_pool(POOL_RECOVERY_S if restarted else 0.0)
-        buffers = self.assembler.create_step_buffers(share=True)
-        if buffers is not None:
+        self.assembler.create_step_buffers(share=True)
+        if self.plan.drafter_config is not None:
             self.channel = StepChannel.create(device=self.plan.device)
             block_size = self.plan.block_size
             control = ChannelDraftControl(self.channel, block_size, timeout_s=DRAFT_CALL_TIMEOUT_S)

@@ -33,6 +33,7 @@ from target_service.engine.draft_budget import DraftBudget
 from target_service.engine.scheduler_output import DecodeWork, SchedulerOutput
 from target_service.engine.sequence import Sequence
 from target_service.engine.step_runner import StepTokens
+from target_service.proposers.token_proposer import DFLASH, TokenProposer
 from target_service.runner.context_rows import SeqTaps, select_context_rows
 from target_service.runner.cuda_graphs import GraphKey, TargetGraphs
 from target_service.runner.forward_batch import ForwardBatch, pack
@@ -58,6 +59,7 @@ class LaunchedStep:
     readback: HostReadback  # targets then accepted, on their way to the host
     failed: dict[int, Exception] = field(default_factory=dict)  # seq_id -> why its sampling failed
     logprobs: StepLogprobs | None = None  # the asking requests' logprobs, on their way; None: nobody asked
+    sources: list[str | None] = field(default_factory=list)  # per decode: who drafted it (None: no drafts)
 
 
 class ModelRunner:
@@ -109,18 +111,23 @@ class ModelRunner:
 
     def launch(self, plan: SchedulerOutput) -> LaunchedStep:
         """Queue the step `plan` schedules: its drafts, forward, verification and context store."""
-        verified = self._propose(plan)
+        verified, sources = self._propose(plan)
         max_accepted = [min(work.max_accepted, count) for work, count in zip(plan.decodes, verified)]
-        chunks, rows, index = scheduled_layout(plan, verified, max_accepted, taps=self.drafter is not None,
+        chunks, rows, index = scheduled_layout(plan, verified, max_accepted, taps=self._taps,
                                                width=self._draft_width())
         batch = pack(chunks, self.tokens_per_block, self.device)
         verify = index.to_device(self.device) if index.num_draft_tokens else None
-        return self._launch(plan, verified, max_accepted, rows, batch, verify)
+        launched = self._launch(plan, verified, max_accepted, rows, batch, verify)
+        launched.sources = sources
+        return launched
 
     def launch_after(self, current: LaunchedStep, plan: SchedulerOutput) -> LaunchedStep | None:
         """Queue `plan`, the step after `current` (`Scheduler.schedule_ahead`), from `current`'s device
         results: its bonus tokens, starts and drafts that may count never reach the host. None when
-        the drafter could not propose (the step is then scheduled as usual)."""
+        the drafter could not propose, or reads the host's tokens, which `current` has not delivered
+        yet (the step is then scheduled as usual)."""
+        if isinstance(self.drafter, TokenProposer):
+            return None
         seqs = [work.seq for work in plan.decodes]
         num_verified = plan.decodes[0].num_verified
         logit_starts = [current.rows[seq.seq_id].logits.start for seq in seqs]
@@ -138,11 +145,13 @@ class ModelRunner:
             if not self._call_propose(len(seqs), num_verified, columns, seqs):
                 return None
         self.num_steps_ahead += 1
-        taps = self.drafter is not None
+        taps = self._taps
         batch = uniform_decode_batch(bonus, starts, table, num_verified, self.tokens_per_block, taps)
         rows, index = uniform_layout(seqs, num_verified, taps=taps, width=self._draft_width())
         verify = replace(index.to_device(self.device), max_accepted=max_accepted) if num_verified else None
-        return self._launch(plan, [num_verified] * len(seqs), None, rows, batch, verify)
+        launched = self._launch(plan, [num_verified] * len(seqs), None, rows, batch, verify)
+        launched.sources = [DFLASH if num_verified else None] * len(seqs)
+        return launched
 
     def read(self, launched: LaunchedStep) -> StepTokens:
         """Wait for a launched step's tokens and accepted lengths (one read; a second for the
@@ -179,21 +188,32 @@ class ModelRunner:
 
     # ---- the drafter ------------------------------------------------------------------------------
 
-    def _propose(self, plan: SchedulerOutput) -> list[int]:
+    def _propose(self, plan: SchedulerOutput) -> tuple[list[int], list[str | None]]:
         """Drafts verified per decode (0 for none) from one drafter call (K = the largest asked for),
-        left in the step buffers' draft_tokens in the order of the decodes that draft; all 0 when the
-        drafter is unavailable."""
+        left in the step buffers' draft_tokens in the order of the decodes that draft, and who
+        drafted each decode (None: no drafts); all 0 when the drafter is unavailable."""
         drafting: list[DecodeWork] = [work for work in plan.decodes if work.num_verified > 0]
+        nothing = [0] * len(plan.decodes), [None] * len(plan.decodes)
         if self.drafter is None or not drafting:
-            return [0] * len(plan.decodes)
+            return nothing
         num_verified = max(work.num_verified for work in drafting)
         seqs = [work.seq for work in drafting]
         columns = self.step_buffers.stage_propose(
             [seq.bonus_token for seq in seqs], [seq.num_computed for seq in seqs],
             [seq.seq_index for seq in seqs], [seq.block_table for seq in seqs])
+        if isinstance(self.drafter, TokenProposer):
+            self.drafter.stage_sequences(seqs)
         if not self._call_propose(len(seqs), num_verified, columns, plan.seqs):
-            return [0] * len(plan.decodes)
-        return [work.num_verified for work in plan.decodes]
+            return nothing
+        by_seq = dict(zip((seq.seq_id for seq in seqs), self._sources(len(seqs))))
+        return ([work.num_verified for work in plan.decodes],
+                [by_seq.get(work.seq.seq_id) for work in plan.decodes])
+
+    def _sources(self, num_seqs: int) -> list[str]:
+        """Who drafted each of the last call's rows: a token proposer says; the DFlash drafter drafts all."""
+        if isinstance(self.drafter, TokenProposer):
+            return list(self.drafter.sources)
+        return [DFLASH] * num_seqs
 
     def _call_propose(self, num_seqs: int, num_draft: int, columns: int, scheduled: list[Sequence]) -> bool:
         """Ask the drafter for the staged rows' drafts; False (and `scheduled` go on plainly) when it
@@ -214,7 +234,7 @@ class ModelRunner:
         the GPU.
         """
         scheduled = plan.seqs
-        if self.drafter is None or taps.shape[0] == 0 or not any(seq.has_context for seq in scheduled):
+        if not self._taps or taps.shape[0] == 0 or not any(seq.has_context for seq in scheduled):
             return
         num_decodes = len(plan.decodes)
         seqs = [SeqTaps(rows[seq.seq_id].taps.stop - rows[seq.seq_id].taps.start, position < num_decodes,
@@ -234,6 +254,14 @@ class ModelRunner:
         for seq in scheduled:
             seq.has_context = False
 
+    @property
+    def _taps(self) -> bool:
+        """Whether a step taps the target's hidden states: the draft context is made of them (prompt
+        lookup alone keeps none)."""
+        if isinstance(self.drafter, TokenProposer):
+            return self.drafter.stores_context
+        return self.drafter is not None
+
     def _draft_width(self) -> int:
         return self.step_buffers.layout.max_num_draft if self.step_buffers is not None else 0
 
@@ -245,7 +273,7 @@ class ModelRunner:
         if self.graphs is not None and plan.decodes and not plan.prefills:
             q_lens = {1 + count for count in verified}
             if len(q_lens) == 1:
-                output = self.graphs.run(batch, GraphKey(q_lens.pop(), taps=self.drafter is not None))
+                output = self.graphs.run(batch, GraphKey(q_lens.pop(), taps=self._taps))
                 if output is not None:
                     return output
         return self.target(batch, self.target_caches)

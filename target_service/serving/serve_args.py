@@ -28,6 +28,11 @@ class ServeArgs(BaseModel):
     replicas: int = Field(1, ge=1)
     address: str | None = None  # a Ray cluster to join; None: start a local Ray on loopback
     num_speculative_tokens: int | None = Field(None, ge=1)
+    # who drafts (EngineArgs.speculative_method): dflash, ngram (prompt lookup), hybrid; None: dflash
+    # with a drafter, plain decoding without
+    speculative_method: Literal["dflash", "ngram", "hybrid"] | None = None
+    prompt_lookup_min: int = Field(1, ge=1)
+    prompt_lookup_max: int = Field(3, ge=1)
     context_storage: Literal["paged", "dense"] = "paged"
     dtype: Literal["bfloat16", "float16", "float32"] | None = None
     kv_cache_dtype: Literal["auto", "fp8"] = "auto"
@@ -119,8 +124,10 @@ class ServeArgs(BaseModel):
         return value
 
     def engine_args(self) -> EngineArgs:
-        target, drafter = resolve_pair(self.target, self.drafter)
+        target, drafter = resolve_pair(self.target, self.drafter, self.speculative_method)
         return EngineArgs(target=target, drafter=drafter, num_speculative_tokens=self.num_speculative_tokens,
+                          speculative_method=self.speculative_method,
+                          prompt_lookup_min=self.prompt_lookup_min, prompt_lookup_max=self.prompt_lookup_max,
                           context_storage=self.context_storage, dtype=self.dtype,
                           kv_cache_dtype=self.kv_cache_dtype, device=self.device,
                           max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len,

@@ -8,6 +8,7 @@ was accepted. The engine's counts over many seeds are compared with a chi-square
 
 import math
 
+import pytest
 import torch
 from engine_helpers import make_pair
 
@@ -35,10 +36,14 @@ def chi_square_critical(dof: int, z: float = 3.09) -> float:
     return dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3
 
 
-def test_sampled_pairs_with_a_drafter_follow_the_target_distribution(tmp_path):
+@pytest.mark.parametrize("method", ["dflash", "ngram", "hybrid"])
+def test_sampled_pairs_with_a_drafter_follow_the_target_distribution(tmp_path, method):
+    """Whoever proposes (the drafter, prompt lookup, or either per step), the verify samples the
+    target at every row and accepts the drafts equal to its samples: the target's distribution."""
     target, drafter = make_pair(tmp_path, vocab_size=VOCAB, hidden_size=32, intermediate_size=48)
     prompt = torch.randint(3, VOCAB, (6,)).tolist()
-    llm = LLM(target, drafter, num_speculative_tokens=3, kv_cache_memory="8MiB", tokens_per_block=16,
+    llm = LLM(target, None if method == "ngram" else drafter, speculative_method=method,
+              num_speculative_tokens=3, kv_cache_memory="8MiB", tokens_per_block=16,
               max_num_seqs=256, max_model_len=64)
     first = next_token_probs(llm, prompt)
     joint = torch.zeros(VOCAB, VOCAB, dtype=torch.float64)  # P(2nd = b, 3rd = c)

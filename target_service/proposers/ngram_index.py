@@ -1,0 +1,61 @@
+"""Prompt lookup over one sequence's tokens, kept as an index that grows with the sequence.
+
+The proposal for a sequence is what followed the most recent earlier occurrence of its last n
+tokens (n from `max_ngram` down to `min_ngram`), copied on through the proposal itself when the
+match runs into the present, so a periodic run continues its period. A search from scratch costs
+O(length x n) per step, milliseconds at a few thousand tokens in Python; the index adds each new
+token's n-grams once (a dict from n-gram to the position after its latest occurrence), so a step
+costs O(new tokens x n) and a lookup O(n).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Match:
+    """A proposal and the length of the n-gram it was found by (0: no match, the proposal repeats
+    the last token)."""
+
+    tokens: list[int]
+    ngram: int
+
+
+class NgramIndex:
+    """The n-grams of one sequence's tokens (their n from min_ngram to max_ngram), by latest start."""
+
+    def __init__(self, *, min_ngram: int, max_ngram: int):
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError(f"need 1 <= min_ngram <= max_ngram; got {min_ngram}, {max_ngram}")
+        self.min_ngram, self.max_ngram = min_ngram, max_ngram
+        self._length, self._last = 0, None  # the tokens seen so far: how many, and the last one
+        self._follows: dict[tuple[int, ...], int] = {}  # n-gram -> the position after its latest occurrence
+        self._indexed = 0  # n-grams ending before this position are in _follows
+
+    def propose(self, tokens: list[int], num_draft: int) -> Match:
+        """num_draft tokens to follow `tokens` (the sequence so far, which must extend what this index
+        saw before)."""
+        if num_draft < 1:
+            raise ValueError(f"need num_draft >= 1; got {num_draft}")
+        self._extend(tokens)
+        length = len(tokens)
+        for n in range(min(self.max_ngram, length - 1), self.min_ngram - 1, -1):
+            follow = self._follows.get(tuple(tokens[length - n:]))
+            if follow is not None:
+                extended = list(tokens[follow:])  # copy forward, through the proposal when needed
+                while len(extended) < num_draft:
+                    extended.extend(extended[: num_draft - len(extended)])
+                return Match(extended[:num_draft], n)
+        return Match([tokens[-1]] * num_draft, 0)
+
+    def _extend(self, tokens: list[int]) -> None:
+        """Index the n-grams that end before the last token (an occurrence must be earlier than the
+        suffix it matches)."""
+        if len(tokens) < self._length or (self._length and tokens[self._length - 1] != self._last):
+            raise ValueError("the tokens do not extend the ones this index saw: a different sequence")
+        self._length, self._last = len(tokens), tokens[-1]
+        for end in range(self._indexed, len(tokens) - 1):  # n-grams ending at `end`, followed by end + 1
+            for n in range(self.min_ngram, min(self.max_ngram, end + 1) + 1):
+                self._follows[tuple(tokens[end - n + 1:end + 1])] = end + 1
+        self._indexed = max(self._indexed, len(tokens) - 1)

@@ -1,0 +1,55 @@
+"""TokenProposer: a proposer that drafts from the sequences' tokens on the host, beside the DFlash drafter.
+
+The DFlash drafter (`DraftControl`) drafts from the draft context in the pool and sees only what the
+step buffers carry; a lookup proposer reads the drafting sequences' tokens instead, so the runner
+hands it those (`stage_sequences`) before every `propose`. It meets the step the DFlash way in
+every other respect: it writes `draft_tokens[:num_seqs, :num_draft]` and the same verify accepts
+the longest prefix equal to the target's tokens, so whatever it proposes, the output is the
+target's (greedy bit-equal, sampling unchanged).
+
+Reading host tokens means a step cannot be launched from the device results of the step before it
+(those tokens are not on the host yet): an engine with a token proposer schedules step by step.
+
+After `propose`, `sources` names the proposer of each staged row, in order, for the counters per
+proposer.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+from drafter_service.step_buffers import StepBuffers
+from target_service.engine.sequence import Sequence
+
+DFLASH = "dflash"  # drafts from the DFlash drafter
+NGRAM = "ngram"  # drafts from prompt lookup
+
+
+class TokenProposer(ABC):
+    """Implements `DraftControl` (block_size, store_context, settle, propose) plus `stage_sequences`."""
+
+    stores_context = False  # whether its steps keep a draft context (the target's hidden states)
+
+    def __init__(self, step_buffers: StepBuffers, *, block_size: int):
+        self.step_buffers = step_buffers
+        self._block_size = block_size
+        self.staged: list[Sequence] = []
+        self.sources: list[str] = []
+
+    @property
+    def block_size(self) -> int:
+        """K + 1: a step verifies at most block_size - 1 drafts."""
+        return self._block_size
+
+    def stage_sequences(self, seqs: list[Sequence]) -> None:
+        """The sequences of the rows the next `propose` drafts, in the staged order."""
+        self.staged = list(seqs)
+
+    @abstractmethod
+    def store_context(self, num_rows: int) -> None: ...
+
+    @abstractmethod
+    def settle(self) -> None: ...
+
+    @abstractmethod
+    def propose(self, num_seqs: int, num_draft: int, num_block_cols: int) -> None: ...

@@ -1,0 +1,187 @@
+"""Prompt lookup ("ngram") and the hybrid proposer are lossless: greedy outputs equal target-only
+greedy decoding bit for bit, for prompts that repeat themselves (where lookup is accepted) and random
+ones, batched, with prefix caching and preemption; the hybrid keeps the DFlash drafter's context whole
+whichever proposer drafted, so DFlash drafts as well after lookup steps as in a DFlash-only run.
+Bad settings are refused with one line naming the setting."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from engine_helpers import make_pair, random_prompts
+from ngram_reference import common_prefix, search_from_scratch
+
+from target_service.engine.sampling_params import SamplingParams
+from target_service.llm import LLM
+
+SETTINGS = dict(kv_cache_memory="4MiB", tokens_per_block=16, max_num_seqs=8, max_model_len=160)
+GREEDY = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+
+
+def repeating_prompts(count: int, vocab_size: int) -> list[list[int]]:
+    """Prompts made of a short random phrase said again and again, with noise between: the
+    continuation a lookup can find in them."""
+    prompts = []
+    for _ in range(count):
+        phrase = torch.randint(3, vocab_size, (int(torch.randint(3, 8, ()).item()),)).tolist()
+        noise = torch.randint(3, vocab_size, (int(torch.randint(0, 4, ()).item()),)).tolist()
+        prompts.append((phrase + noise) * 3 + phrase[:2])
+    return prompts
+
+
+def outputs(llm: LLM, prompts, params=GREEDY) -> list[list[int]]:
+    return [out.outputs[0].token_ids for out in llm.generate(prompts, params)]
+
+
+def plain(target, prompts, params=GREEDY) -> list[list[int]]:
+    llm = LLM(target, **SETTINGS)
+    try:
+        return outputs(llm, prompts, params)
+    finally:
+        llm.close()
+
+
+@pytest.mark.parametrize("method", ["ngram", "hybrid"])
+@pytest.mark.parametrize("num_draft", [2, 7])
+def test_greedy_with_lookup_equals_target_only(tmp_path, method, num_draft):
+    target, drafter = make_pair(tmp_path)
+    prompts = repeating_prompts(4, 160) + random_prompts(3, 160)
+    expected = plain(target, prompts)
+    llm = LLM(target, drafter if method == "hybrid" else None, speculative_method=method,
+              num_speculative_tokens=num_draft, **SETTINGS)
+    try:
+        assert outputs(llm, prompts[:1]) == expected[:1]  # alone, then batched
+        assert outputs(llm, prompts) == expected
+        assert outputs(llm, prompts) == expected  # again, over the prefix cache
+        assert llm.stats.num_drafts > 0 and llm.stats.num_accepted_tokens > 0
+        usage = llm.engine.pool_usage()
+        assert usage.num_used_blocks == 0 and usage.num_seqs == 0
+    finally:
+        llm.close()
+
+
+def test_lookup_is_lossless_under_preemption(tmp_path):
+    """A pool too small for the batch preempts and recomputes; each index starts over from the tokens."""
+    target, _ = make_pair(tmp_path)
+    prompts = repeating_prompts(6, 160)
+    expected = plain(target, prompts)
+    llm = LLM(target, speculative_method="ngram", num_speculative_tokens=5,
+              **{**SETTINGS, "kv_cache_memory": "96KiB"})
+    try:
+        assert outputs(llm, prompts) == expected
+        assert llm.engine.counters().num_preemptions > 0
+    finally:
+        llm.close()
+
+
+def test_each_lookup_step_accepts_what_a_search_from_scratch_predicts(tmp_path):
+    """The engine's counts equal a replay of its output: at each step the from-scratch lookup's
+    proposal, of which the drafts that may count (K, capped by max_tokens and max_model_len) are
+    accepted up to the first that differs from the tokens that followed."""
+    target, _ = make_pair(tmp_path)
+    prompts = repeating_prompts(3, 160)
+    num_draft, max_tokens, lookup = 4, 60, dict(max_ngram=3, min_ngram=1)
+    llm = LLM(target, speculative_method="ngram", num_speculative_tokens=num_draft, **SETTINGS)
+    try:
+        results = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+    finally:
+        llm.close()
+    for prompt, result in zip(prompts, results):
+        tokens = prompt + result.outputs[0].token_ids
+        known, drafts, drafted, accepted = len(prompt) + 1, 0, 0, 0
+        while known - len(prompt) < max_tokens:
+            may_count = min(num_draft, SETTINGS["max_model_len"] - (known - 1) - 2,
+                            max_tokens - (known - len(prompt)) - 1)
+            if may_count <= 0:
+                known += 1
+                continue
+            proposal, _ = search_from_scratch(tokens[:known], num_draft, **lookup)
+            hits = common_prefix(proposal[:may_count], tokens[known:known + may_count])
+            drafts, drafted, accepted = drafts + 1, drafted + may_count, accepted + hits
+            known += hits + 1
+        stats = result.spec_decode
+        counted = (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens)
+        assert counted == (drafts, drafted, accepted)
+    assert sum(result.spec_decode.num_accepted_tokens for result in results) > 0
+
+
+class PositionRecorder:
+    """Wraps the DFlash drafter: keeps each proposal by (prompt, position), as drafted (before a
+    hybrid puts a lookup's tokens over some rows)."""
+
+    def __init__(self, inner, buffers, engine):
+        self.inner, self.buffers, self.engine = inner, buffers, engine
+        self.block_size = inner.block_size
+        self.proposals: dict[tuple, list[int]] = {}
+
+    def store_context(self, num_rows: int) -> None:
+        self.inner.store_context(num_rows)
+
+    def settle(self) -> None:
+        self.inner.settle()
+
+    def propose(self, num_seqs: int, num_draft: int, num_block_cols: int) -> None:
+        self.inner.propose(num_seqs, num_draft, num_block_cols)
+        by_index = {seq.seq_index: seq for seq in self.engine.running_sequences()}
+        buffers = self.buffers
+        rows = zip(buffers.seq_indices[:num_seqs].tolist(), buffers.start_positions[:num_seqs].tolist())
+        for row, (seq_index, start) in enumerate(rows):
+            key = (tuple(by_index[seq_index].prompt_token_ids), start)
+            self.proposals[key] = self.buffers.draft_tokens[row, :num_draft].tolist()
+
+
+def test_hybrid_keeps_the_drafters_context_whole(tmp_path):
+    """At every position both reach, the hybrid's DFlash proposal equals a DFlash-only engine's, also
+    after steps the lookup drafted: the context store ran for every accepted position whichever
+    proposer drafted (a gap in the context would change what DFlash proposes after it)."""
+    target, drafter = make_pair(tmp_path)
+    prompts = repeating_prompts(4, 160)
+    expected = plain(target, prompts)
+    recorded = {}
+    lookup_from = {}  # prompt -> the first position the lookup drafted
+    for method in ("hybrid", "dflash"):
+        llm = LLM(target, drafter, speculative_method=method, num_speculative_tokens=5, **SETTINGS)
+        runner = llm.assembly.runner
+        proposer = runner.drafter
+        inner = proposer.dflash if method == "hybrid" else proposer
+        recorder = PositionRecorder(inner, runner.step_buffers, llm.engine)
+        if method == "hybrid":
+            proposer.dflash = recorder
+            propose = proposer.propose
+
+            def noting(num_seqs, num_draft, columns, propose=propose, proposer=proposer):
+                propose(num_seqs, num_draft, columns)
+                for seq, source in zip(proposer.staged, proposer.sources):
+                    if source == "ngram":
+                        lookup_from.setdefault(tuple(seq.prompt_token_ids), seq.num_computed)
+            proposer.propose = noting
+        else:
+            runner.swap_drafter(recorder)
+        try:
+            assert outputs(llm, prompts) == expected
+        finally:
+            llm.close()
+        recorded[method] = recorder.proposals
+    assert lookup_from, "the lookup never drafted: the test shows nothing"
+    common = recorded["hybrid"].keys() & recorded["dflash"].keys()
+    after_lookup = [key for key in common if key[0] in lookup_from and key[1] > lookup_from[key[0]]]
+    assert after_lookup, "no position after a lookup step was drafted by both"
+    for key in common:
+        assert recorded["hybrid"][key] == recorded["dflash"][key], key
+
+
+@pytest.mark.parametrize("settings,message", [
+    (dict(speculative_method="ngram", with_drafter=True), "takes no drafter"),
+    (dict(speculative_method="hybrid"), "needs a drafter"),
+    (dict(speculative_method="dflash"), "needs a drafter"),
+    (dict(speculative_method="ngram", prompt_lookup_min=4, prompt_lookup_max=2), "prompt_lookup_min 4"),
+    (dict(speculative_method="beam"), "speculative_method"),
+    (dict(num_speculative_tokens=3), "needs a drafter or speculative_method 'ngram'"),
+])
+def test_bad_proposer_settings_are_refused_in_one_line(tmp_path, settings, message):
+    target, drafter = make_pair(tmp_path)
+    settings = dict(settings)
+    with_drafter = settings.pop("with_drafter", False)
+    with pytest.raises(ValueError, match=message) as caught:
+        LLM(target, drafter if with_drafter else None, **settings, **SETTINGS)
+    assert "\n" not in str(caught.value)
