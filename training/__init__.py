@@ -5,8 +5,8 @@ Rooms: `corpus` (the standard-library corpus, its hash split, the byte-level BPE
 (the DFlash training forward whose names are the DFlash layout's), `anchors` (anchor sampling, the
 block mask and the loss weights), `optim` (AdamW, warmup + cosine), `loop` (the shared step loop),
 `progress`, `state` (checkpoints and resume), `export` (the on-disk layouts), `drafter_data`
-(target continuations through the engine, raw windows), `prompt_lookup` (the n-gram baseline),
-`evaluate` (acceptance and speed through the engine), `train_target` / `train_drafter` (the two
+(target continuations through the engine, raw windows), `evaluate` (acceptance and speed through
+the engine, beside prompt lookup, the n-gram baseline), `train_target` / `train_drafter` (the two
 `dflash train` commands). It sits beside the services and imports them (both models and the
 engine); no service imports it.
 """

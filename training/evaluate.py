@@ -21,11 +21,10 @@ import torch
 from target_service.engine.outputs import SpecDecodeStats
 from target_service.engine.sampling_params import SamplingParams
 from target_service.llm import LLM
-from training.prompt_lookup import PromptLookupDrafter
 
 logger = logging.getLogger(__name__)
 
-KV_CACHE_MEMORY = "768MiB"  # each of the two engines; explicit, so neither claims the whole GPU
+KV_CACHE_MEMORY = "768MiB"  # each of the three engines; explicit, so none claims the whole GPU
 
 # a comment, a string, a hex or decimal number, or punctuation: what a line of a data table is made of
 _LITERALS = re.compile(
@@ -102,36 +101,33 @@ def evaluate_pair(target: str, drafter: str, prompts: list[list[int]], *, num_sp
                   max_num_batched_tokens=8192, enable_prefix_caching=False, kv_cache_memory=KV_CACHE_MEMORY)
     plain = LLM(target, **common)
     spec = LLM(target, drafter, num_speculative_tokens=num_speculative_tokens, **common)
+    # prompt lookup as the server runs it (speculative_method "ngram": no drafter, step by step)
+    lookup_llm = LLM(target, speculative_method="ngram", num_speculative_tokens=num_speculative_tokens,
+                     **common)
     try:
         reference = plain.generate(prompts, params)
         texts = [_text(tokenizer, p, r.outputs[0].token_ids) for p, r in zip(prompts, reference)]
         tables = [is_table_like(text) for text in texts]
         dflash = spec.generate(prompts, params)
         per_position = {"dflash": spec.stats.accepted_per_position}
-        spec.engine.reset_stats()  # engine-wide counters: one set per drafter
-        runner = spec.assembly.runner
-        lookup_drafter = PromptLookupDrafter(spec.engine, runner.step_buffers,
-                                             block_size=runner.drafter.block_size)
-        dflash_worker = runner.swap_drafter(lookup_drafter)
-        lookup = spec.generate(prompts, params)
-        per_position["prompt_lookup"] = spec.stats.accepted_per_position
+        lookup = lookup_llm.generate(prompts, params)
+        per_position["prompt_lookup"] = lookup_llm.stats.accepted_per_position
         lossless = [d.outputs[0].token_ids == r.outputs[0].token_ids for d, r in zip(dflash, reference)]
         lookup_lossless = [x.outputs[0].token_ids == r.outputs[0].token_ids
                            for x, r in zip(lookup, reference)]
         timed = prompts[:timing_prompts]
 
-        def run(llm: LLM, drafter):
+        def run(llm: LLM):
             def generate(prompt: list[int]) -> int:
-                llm.assembly.runner.swap_drafter(drafter)
                 return len(llm.generate([prompt], params)[0].outputs[0].token_ids)
             return generate
 
-        timing = timed_side_by_side({"plain": run(plain, None), "dflash": run(spec, dflash_worker),
-                                     "prompt_lookup": run(spec, lookup_drafter)}, timed, timing_rounds)
-        runner.swap_drafter(dflash_worker)
+        timing = timed_side_by_side({"plain": run(plain), "dflash": run(spec),
+                                     "prompt_lookup": run(lookup_llm)}, timed, timing_rounds)
     finally:
         plain.close()
         spec.close()
+        lookup_llm.close()
     result = {
         "num_prompts": len(prompts), "num_speculative_tokens": num_speculative_tokens,
         "max_tokens": max_tokens,

@@ -43,9 +43,18 @@ def test_the_index_proposes_what_a_search_from_scratch_proposes(min_ngram, max_n
             length += rng.randint(1, 5)  # a step adds the accepted drafts and a bonus
 
 
-def test_a_periodic_run_continues_its_period():
-    index = NgramIndex(min_ngram=1, max_ngram=3)
-    assert index.propose([5, 1, 2, 1, 2], 5).tokens == [1, 2, 1, 2, 1]
+def lookup(tokens: list[int], num_draft: int, *, max_ngram: int = 3, min_ngram: int = 1) -> list[int]:
+    return NgramIndex(min_ngram=min_ngram, max_ngram=max_ngram).propose(tokens, num_draft).tokens
+
+
+def test_prompt_lookup_on_hand_made_sequences():
+    # the last 3 tokens (7, 8, 9) occurred at 1..3, followed by 4, 5, then 7 8 9 again
+    assert lookup([1, 7, 8, 9, 4, 5, 7, 8, 9], 3) == [4, 5, 7]
+    # a match that runs into the present keeps copying its period: ... 3 4 | 3 4 3 4
+    assert lookup([1, 2, 3, 4, 3, 4], 4) == [3, 4, 3, 4]
+    assert lookup([5, 1, 2, 1, 2], 5) == [1, 2, 1, 2, 1]
+    assert lookup([5, 6, 7], 2) == [7, 7]  # no earlier occurrence of any suffix
+    assert lookup([2, 9, 1, 9], 2, max_ngram=3) == [1, 9]  # falls back to a 1-gram
 
 
 def test_bad_bounds_and_a_different_sequence_are_refused():

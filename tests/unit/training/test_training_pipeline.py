@@ -21,7 +21,6 @@ from target_service.runner.checkpoint import load_target
 from training.corpus import Document, is_held_out, split_documents
 from training.evaluate import is_table_like
 from training.export import save_sharded
-from training.prompt_lookup import lookup
 from training.state import ResumeError, checkpoint_path
 from training.train_drafter import parse_taps
 from training.train_target import TrainTargetArgs, train_target
@@ -143,17 +142,6 @@ def test_sharded_save_respects_the_limit_and_round_trips(tmp_path):
     assert load_file(str(tmp_path / "model.safetensors")).keys() == {"w0"}
     with pytest.raises(ValueError, match="more than max_shard_bytes"):
         save_sharded({"big": torch.zeros(1000)}, tmp_path, max_shard_bytes=100)
-
-
-def test_prompt_lookup_on_hand_made_sequences():
-    # the last 3 tokens (7, 8, 9) occurred at 1..3, followed by 4, 5, then 7 8 9 again
-    assert lookup([1, 7, 8, 9, 4, 5, 7, 8, 9], 3) == [4, 5, 7]
-    # a match that runs into the present keeps copying its period: ... 3 4 | 3 4 3 4
-    assert lookup([1, 2, 3, 4, 3, 4], 4) == [3, 4, 3, 4]
-    assert lookup([5, 6, 7], 2) == [7, 7]  # no earlier occurrence of any suffix
-    assert lookup([2, 9, 1, 9], 2, max_ngram=3) == [1, 9]  # falls back to a 1-gram
-    with pytest.raises(ValueError, match="min_ngram"):
-        lookup([1, 2], 2, max_ngram=1, min_ngram=2)
 
 
 def test_table_detection():
