@@ -87,8 +87,10 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.check_prompt(prompt_token_ids, params)
         generator = self._runner.make_generator(params.seed) if params.seed is not None else None
+        spec_decode = SpecDecodeStats.for_request(self.num_speculative_tokens,
+                                                  per_step=params.spec_decode_per_step)
         seq = Sequence(request_id, self._next_seq_id, list(prompt_token_ids), params, self._next_seq_id,
-                       generator)
+                       generator, spec_decode=spec_decode)
         self._next_seq_id += 1
         self._sequences[request_id] = seq
         self._scheduler.add(seq)

@@ -35,12 +35,37 @@ class CompletionOutput:
 
 @dataclass
 class SpecDecodeStats:
-    """Per request or engine-wide; mean acceptance length = 1 + accepted / drafts."""
+    """Per request or engine-wide; mean acceptance length = 1 + accepted / drafts.
+
+    A "draft" (vLLM's name) is one verify step that checked at least one drafted token; a step that
+    verified none (plain decoding, the last token of max_tokens) is not counted anywhere here.
+
+    acceptance_histogram[j]: drafts that accepted exactly j tokens, dense (length K + 1 for a request,
+    `for_request`; it grows as needed otherwise): O(K) memory, so it is always kept.
+    per_step_accepted / per_step_drafted: each draft's accepted and verified counts in order, kept only
+    for a request whose `SamplingParams.spec_decode_per_step` asks (None otherwise): they grow with
+    the output, and only the server's `--per-request-spec-decode-metrics detailed` reads them.
+    """
 
     num_drafts: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
+    acceptance_histogram: list[int] = field(default_factory=list)
+    per_step_accepted: list[int] | None = None
+    per_step_drafted: list[int] | None = None
+
+    @classmethod
+    def for_request(cls, num_spec_tokens: int, *, per_step: bool = False) -> SpecDecodeStats:
+        """A request's empty counters: a histogram of K + 1 bins (one bin without a drafter, K 0),
+        and the per-step lists when asked."""
+        return cls(acceptance_histogram=[0] * (num_spec_tokens + 1),
+                   per_step_accepted=[] if per_step else None, per_step_drafted=[] if per_step else None)
+
+    @property
+    def num_spec_tokens(self) -> int:
+        """K, as the histogram knows it (0: no drafter, or nothing recorded yet engine-wide)."""
+        return max(0, len(self.acceptance_histogram) - 1)
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -51,29 +76,37 @@ class SpecDecodeStats:
         return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
 
     def record(self, num_draft: int, num_accepted: int) -> None:
+        """One verify step that checked `num_draft` drafts and accepted the first `num_accepted`."""
         if num_draft == 0:
             return
         self.num_drafts += 1
         self.num_draft_tokens += num_draft
         self.num_accepted_tokens += num_accepted
-        if len(self.accepted_per_position) < num_draft:
-            self.accepted_per_position += [0] * (num_draft - len(self.accepted_per_position))
+        _grow(self.accepted_per_position, num_draft)
         for position in range(num_accepted):
             self.accepted_per_position[position] += 1
+        _grow(self.acceptance_histogram, num_accepted + 1)
+        self.acceptance_histogram[num_accepted] += 1
+        if self.per_step_accepted is not None:
+            self.per_step_accepted.append(num_accepted)
+            self.per_step_drafted.append(num_draft)
 
     def merge(self, other: SpecDecodeStats) -> None:
-        """Add `other`'s counts to these (per position too): a total over requests."""
+        """Add `other`'s counts to these (per position and per bin too): a total over requests. The
+        per-step lists are one request's order and are not merged."""
         self.num_drafts += other.num_drafts
         self.num_draft_tokens += other.num_draft_tokens
         self.num_accepted_tokens += other.num_accepted_tokens
-        longer = len(other.accepted_per_position) - len(self.accepted_per_position)
-        self.accepted_per_position += [0] * max(0, longer)
-        for position, count in enumerate(other.accepted_per_position):
-            self.accepted_per_position[position] += count
+        for mine, theirs in ((self.accepted_per_position, other.accepted_per_position),
+                             (self.acceptance_histogram, other.acceptance_histogram)):
+            _grow(mine, len(theirs))
+            for index, count in enumerate(theirs):
+                mine[index] += count
 
     def copy(self) -> SpecDecodeStats:
         return SpecDecodeStats(self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens,
-                               list(self.accepted_per_position))
+                               list(self.accepted_per_position), list(self.acceptance_histogram),
+                               _copied(self.per_step_accepted), _copied(self.per_step_drafted))
 
     def as_dict(self) -> dict:
         return {
@@ -82,6 +115,15 @@ class SpecDecodeStats:
             "accepted_per_position": list(self.accepted_per_position),
             "mean_acceptance_length": self.mean_acceptance_length,
         }
+
+
+def _grow(counts: list[int], length: int) -> None:
+    """Pad `counts` with zeros to at least `length` entries, in place."""
+    counts += [0] * max(0, length - len(counts))
+
+
+def _copied(values: list[int] | None) -> list[int] | None:
+    return None if values is None else list(values)
 
 
 @dataclass

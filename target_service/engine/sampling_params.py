@@ -29,6 +29,11 @@ class SamplingParams(BaseModel):
     its prompt's positions even where the prefix cache holds them). `logprobs_mode` "raw" (the default,
     vLLM's `raw_logprobs`) is log_softmax of the target's logits; "processed" is the log of the
     distribution the sampler draws from (temperature, top-k and top-p applied; one-hot when greedy).
+
+    `spec_decode_per_step` (an extension, not an API field: the server sets it under
+    `--per-request-spec-decode-metrics detailed`) keeps the request's accepted and verified counts of
+    every verify step (`SpecDecodeStats.per_step_accepted`); without it a request keeps O(K) counters.
+    It changes no token.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -44,6 +49,7 @@ class SamplingParams(BaseModel):
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     logprobs_mode: Literal["raw", "processed"] = "raw"
+    spec_decode_per_step: bool = False
 
     def __init__(self, max_tokens: int = 16, **fields):
         super().__init__(max_tokens=max_tokens, **fields)
