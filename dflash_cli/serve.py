@@ -15,6 +15,8 @@ import os
 import signal
 import threading
 
+from target_service.serving.spec_decode_metrics import SPEC_DECODE_METRICS_LEVELS
+
 
 def register(subparsers) -> None:
     parser = subparsers.add_parser(
@@ -78,6 +80,10 @@ def register(subparsers) -> None:
     parser.add_argument("--services", choices=("inprocess", "ray"), default="inprocess",
                         help="where a replica's engine runs: in the replica's process (default), or as "
                              "three Ray actors, pool, drafter and target, each its own process")
+    parser.add_argument("--per-request-spec-decode-metrics", choices=SPEC_DECODE_METRICS_LEVELS,
+                        help="vLLM's: each one-choice response gets a top-level metrics object with its "
+                             "speculative-decoding stats (the stream: on its include_usage chunk); "
+                             "detailed adds every step's counts (default: off, responses unchanged)")
     parser.set_defaults(func=run)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from target_service.engine.engine_client import EngineDead, QueueFull
+from target_service.engine.outputs import SpecDecodeStats
 from target_service.serving.api_errors import ApiError
 from target_service.serving.openai_choices import ChoiceAsks, ChoiceView, Piece, TokenTexts
 
@@ -41,6 +42,7 @@ class ChoiceResult:
     piece: Piece  # its text and logprobs, whole
     finish_reason: str | None
     num_output_tokens: int  # generated tokens it returns (usage)
+    spec_decode: SpecDecodeStats | None = None  # the engine's counters of it (its last delta's)
 
 
 def num_generated(job: Job, last) -> int:

@@ -1,6 +1,7 @@
 """The OpenAI-compatible API's response bodies as vLLM serves them: whole responses, stream chunks,
 the model list, and the server-sent-events framing. Field names are the API's own, so `model_dump()`
-is the wire format."""
+is the wire format. A response and a stream's chunks may carry vLLM's top-level `metrics`
+(`spec_decode_metrics.WithMetrics`: absent unless the server was asked for it)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import uuid
 from typing import Literal
 
 from pydantic import BaseModel, Field, computed_field
+
+from target_service.serving.spec_decode_metrics import WithMetrics
 
 # The reasons a response names. "abort" (the request was cancelled) is vLLM's: the openai package's
 # types lack it, and its client, which does not validate by default, passes it through as a string.
@@ -60,7 +63,7 @@ class CompletionChoice(BaseModel):
     finish_reason: FinishReason = None
 
 
-class CompletionResponse(BaseModel):
+class CompletionResponse(WithMetrics):
     id: str = Field(default_factory=lambda: random_id("cmpl"))
     object: Literal["text_completion"] = "text_completion"
     created: int = Field(default_factory=_now)
@@ -69,7 +72,7 @@ class CompletionResponse(BaseModel):
     usage: UsageInfo
 
 
-class CompletionStreamChunk(BaseModel):
+class CompletionStreamChunk(WithMetrics):
     """One SSE event of a streamed completion; every chunk of a stream repeats its id and created."""
 
     id: str = Field(default_factory=lambda: random_id("cmpl"))
@@ -115,7 +118,7 @@ class ChatCompletionChoice(BaseModel):
     finish_reason: FinishReason = None
 
 
-class ChatCompletionResponse(BaseModel):
+class ChatCompletionResponse(WithMetrics):
     id: str = Field(default_factory=lambda: random_id("chatcmpl"))
     object: Literal["chat.completion"] = "chat.completion"
     created: int = Field(default_factory=_now)
@@ -138,7 +141,7 @@ class ChatCompletionStreamChoice(BaseModel):
     finish_reason: FinishReason = None
 
 
-class ChatCompletionStreamChunk(BaseModel):
+class ChatCompletionStreamChunk(WithMetrics):
     id: str = Field(default_factory=lambda: random_id("chatcmpl"))
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int = Field(default_factory=_now)

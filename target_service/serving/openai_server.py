@@ -15,7 +15,9 @@ that paces it) refuses new requests with 503, waits for those in flight, and whe
 stops them with an answer: 503, or an error event and `[DONE]` (`InFlight`).
 
 What a choice returns besides its text (the echoed prompt, logprobs) is shaped by `openai_choices`, one
-piece per engine delta; a whole response joins the pieces its stream would send.
+piece per engine delta; a whole response joins the pieces its stream would send. With
+`spec_decode_metrics` (the server's --per-request-spec-decode-metrics) a one-choice response also
+carries its speculative-decoding stats (`spec_decode_metrics`).
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ from target_service.serving.openai_responses import (
 )
 from target_service.serving.openai_streams import ChoiceStreams
 from target_service.serving.prompt_chars import max_prompt_chars
+from target_service.serving.spec_decode_metrics import SpecDecodeMetricsLevel, response_metrics
 
 DRAIN_POLL_S = 0.05
 STOP_GRACE_S = 2.0  # how long stopped requests get to send their answers
@@ -67,18 +70,23 @@ class OpenAIServer:
         max_model_len: int,
         target_dir: str | Path,
         api_key: str | None = None,
+        spec_decode_metrics: SpecDecodeMetricsLevel | None = None,
     ):
+        """spec_decode_metrics: "summary" or "detailed" adds each one-choice response's stats
+        (vLLM's --per-request-spec-decode-metrics); None (the default) leaves responses as they were."""
         self.engine = async_engine
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.target_dir = Path(target_dir)
         self.api_key = api_key
+        self.spec_decode_metrics = spec_decode_metrics
         self.draining = False
         self.in_flight = InFlight()
         self.max_prompt_chars = max_prompt_chars(tokenizer, max_model_len)
         self.token_texts = TokenTexts(tokenizer)
-        self.streams = ChoiceStreams(async_engine, self.in_flight, self.token_texts, model_name)
+        self.streams = ChoiceStreams(async_engine, self.in_flight, self.token_texts, model_name,
+                                     spec_decode_metrics=spec_decode_metrics)
 
     # ---- reading ----------------------------------------------------------------------------------
 
@@ -127,7 +135,7 @@ class OpenAIServer:
         for number, prompt in enumerate(prompts):
             ids = await self._encode(prompt, "prompt")
             text = prompt if isinstance(prompt, str) else None
-            for j, params in enumerate(request.to_sampling_params(len(ids), self.max_model_len)):
+            for j, params in enumerate(self._sampling_params(request, len(ids))):
                 jobs.append(Job(number * (request.n or 1) + j, ids, params, asks, text))
         return jobs
 
@@ -143,7 +151,7 @@ class OpenAIServer:
         asks = ChoiceAsks(request.num_logprobs, chat=True)
         return [
             Job(j, ids, params, asks)
-            for j, params in enumerate(request.to_sampling_params(len(ids), self.max_model_len))
+            for j, params in enumerate(self._sampling_params(request, len(ids)))
         ]
 
     async def completion(self, request: CompletionRequest) -> CompletionResponse:
@@ -158,6 +166,7 @@ class OpenAIServer:
             model=self.model_name,
             choices=sorted(choices, key=lambda c: c.index),
             usage=self._usage(jobs, results),
+            metrics=self._metrics(results),
         )
 
     async def chat(self, request: ChatCompletionRequest) -> ChatCompletionResponse:
@@ -171,7 +180,8 @@ class OpenAIServer:
             for job, result in zip(jobs, results)
         ]
         return ChatCompletionResponse(
-            model=self.model_name, choices=choices, usage=self._usage(jobs, results)
+            model=self.model_name, choices=choices, usage=self._usage(jobs, results),
+            metrics=self._metrics(results),
         )
 
     async def completion_stream(self, request: CompletionRequest) -> AsyncIterator[str]:
@@ -201,6 +211,13 @@ class OpenAIServer:
                 f"{'n' if n > 1 else 'prompt'}: this request asks for {num_prompts * n} choices ({asked}); "
                 f"this server queues at most {capacity} at a time (--max-waiting): split the request",
                 "n" if n > 1 else "prompt")
+
+    def _sampling_params(self, request, num_prompt_tokens: int) -> list:
+        """The request's params, one per choice; under "detailed" the engine keeps each step's counts."""
+        params = request.to_sampling_params(num_prompt_tokens, self.max_model_len)
+        if self.spec_decode_metrics == "detailed":
+            params = [choice.model_copy(update={"spec_decode_per_step": True}) for choice in params]
+        return params
 
     async def _encode(self, prompt, field: str, *, add_special_tokens: bool = True) -> list[int]:
         if isinstance(prompt, list):
@@ -252,7 +269,7 @@ class OpenAIServer:
             raise
         if last.finish_reason == "error":
             raise ApiError.internal(FAILED_ALONE)
-        return ChoiceResult(merge(pieces), last.finish_reason, num_generated(job, last))
+        return ChoiceResult(merge(pieces), last.finish_reason, num_generated(job, last), last.spec_decode)
 
     async def _run_all(self, jobs: list[Job]) -> list[ChoiceResult]:
         """Every choice concurrently; if one fails (or the client leaves), the others are cancelled."""
@@ -262,6 +279,9 @@ class OpenAIServer:
         finally:
             for task in tasks:
                 task.cancel()
+
+    def _metrics(self, results: list[ChoiceResult]):
+        return response_metrics(self.spec_decode_metrics, [result.spec_decode for result in results])
 
     def _usage(self, jobs: list[Job], results: list[ChoiceResult]) -> UsageInfo:
         return UsageInfo(prompt_tokens=prompt_tokens(jobs),

@@ -5,6 +5,8 @@ engine on a task of its own, so one slow or failing choice holds up none of the 
 last when asked (and, with vLLM's `continuous_usage_stats`, on every chunk); the stream always ends
 in `[DONE]`, after an error event where a choice failed or the server stopped it. A client that
 leaves closes the generator, which cancels what still runs and so aborts it in the engine.
+With `spec_decode_metrics` the usage chunk also carries a one-choice request's speculative-decoding
+stats (`spec_decode_metrics`), once; the token chunks never do.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from target_service.serving.openai_responses import (
     random_id,
     sse_event,
 )
+from target_service.serving.spec_decode_metrics import SpecDecodeMetricsLevel, response_metrics
 
 logger = logging.getLogger(__name__)
 
@@ -44,8 +47,10 @@ logger = logging.getLogger(__name__)
 class ChoiceStreams:
     """Streams the jobs of admitted requests from one engine, counted in one `InFlight`."""
 
-    def __init__(self, engine: EngineClient, in_flight: InFlight, token_texts: TokenTexts, model_name: str):
+    def __init__(self, engine: EngineClient, in_flight: InFlight, token_texts: TokenTexts, model_name: str,
+                 *, spec_decode_metrics: SpecDecodeMetricsLevel | None = None):
         self.engine = engine
+        self.spec_decode_metrics = spec_decode_metrics
         self.in_flight = in_flight
         self.token_texts = token_texts
         self.model_name = model_name
@@ -99,7 +104,7 @@ class ChoiceStreams:
         """Every choice's deltas as SSE events, interleaved as they come; usage last when asked, and
         with `continuous` the usage so far on every chunk too (the choices' tokens up to it)."""
         events: asyncio.Queue = asyncio.Queue()
-        totals, so_far = {}, {}
+        totals, so_far, stats = {}, {}, {}
 
         def emit(job: Job, delta, event) -> None:
             if continuous:
@@ -124,6 +129,7 @@ class ChoiceStreams:
                     elif piece.text or delta.finished or (piece.num_tokens and piece.logprobs is not None):
                         emit(job, delta, chunk(job.index, piece, delta.finish_reason))
                 totals[job.index] = num_generated(job, last)
+                stats[job.index] = last.spec_decode
             except (QueueFull, EngineDead, ValueError) as error:
                 fail(as_api_error(error))
             except asyncio.CancelledError:  # the client left mid-stream, or the server stopped it
@@ -148,10 +154,10 @@ class ChoiceStreams:
                     yield event
             if include_usage:
                 usage = UsageInfo(prompt_tokens=prompt_tokens(jobs), completion_tokens=sum(totals.values()))
+                metrics = response_metrics(self.spec_decode_metrics, [stats.get(job.index) for job in jobs])
                 kind = ChatCompletionStreamChunk if chat else CompletionStreamChunk
-                yield sse_event(
-                    kind(id=stream_id, created=created, model=self.model_name, choices=[], usage=usage)
-                )
+                yield sse_event(kind(id=stream_id, created=created, model=self.model_name, choices=[],
+                                     usage=usage, metrics=metrics))
             yield SSE_DONE
         finally:  # the client left (or the stream ended): stop what still runs, which aborts it
             for task in tasks:

@@ -60,7 +60,8 @@ class Replica:
         api_key = load_secret(args.api_key_file, env=API_KEY_ENV, what="API key")
         self.server = OpenAIServer(metered, tokenizer, model_name=args.model_name,
                                    max_model_len=max_model_len, target_dir=engine_args.target,
-                                   api_key=api_key)
+                                   api_key=api_key,
+                                   spec_decode_metrics=args.per_request_spec_decode_metrics)
 
     def _start_services(self, args: ServeArgs, engine_args, rank: int, admin_port: int | None):
         """The pool, drafter and target as Ray actors; the pool's gRPC port is the admin port."""

@@ -13,6 +13,7 @@ from foundation.byte_size import parse_byte_size
 from foundation.device_name import check_device_name
 from target_service.assembly.demo import resolve_pair
 from target_service.assembly.engine_args import DEFAULT_PREFILL_WITH_DECODES, EngineArgs
+from target_service.serving.spec_decode_metrics import SpecDecodeMetricsLevel
 
 DRAIN_TIMEOUT_S = 30.0
 
@@ -64,6 +65,9 @@ class ServeArgs(BaseModel):
     # "inprocess": a replica runs the engine itself; "ray": it drives the pool, drafter and target as
     # three Ray actors of its own (target_service.assembly.ray_services), in its placement group
     services: Literal["inprocess", "ray"] = "inprocess"
+    # vLLM's: each one-choice response carries its own speculative-decoding stats ("detailed": and
+    # every step's counts); None: responses as without it (spec_decode_metrics.py)
+    per_request_spec_decode_metrics: SpecDecodeMetricsLevel | None = None
 
     @field_validator("kv_cache_memory")
     @classmethod

@@ -59,3 +59,18 @@ def test_bad_values_are_one_line_naming_the_flag(tmp_path, capsys, argv, expecte
     err = capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1, err
     assert err.startswith("dflash serve: error: " + expected.format(file=file)), err
+
+
+@pytest.mark.parametrize("level", [None, "summary", "detailed"])
+def test_the_per_request_spec_decode_metrics_level_reaches_serve_args(level):
+    argv = () if level is None else ("--per-request-spec-decode-metrics", level)
+    assert parsed(*argv).per_request_spec_decode_metrics == level  # None, the default: off
+
+
+def test_an_unknown_spec_decode_metrics_level_is_one_line_naming_the_flag(capsys):
+    with pytest.raises(SystemExit) as exited:  # argparse's refusal of a choice, in the one-line parser
+        cli.main(["serve", "--per-request-spec-decode-metrics", "full"])
+    err = capsys.readouterr().err.strip()
+    assert exited.value.code == 2 and len(err.splitlines()) == 1, err
+    assert err.startswith("dflash serve: error: argument --per-request-spec-decode-metrics: invalid choice: "
+                          "'full' (choose from 'summary', 'detailed')"), err
