@@ -12,14 +12,14 @@ import time
 
 import httpx
 import pytest
-from serve_process import PROMPT, Server, assert_completion_and_stream_equal, offline_completion
+from serve_process import MODEL, PROMPT, Server, assert_completion_and_stream_equal, offline_completion
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray")]
 
 
 @pytest.fixture(scope="module")
 def server(ray_machine):
-    started = Server("--services", "ray", replicas=1)
+    started = Server("--services", "ray", "--per-request-spec-decode-metrics", "detailed", replicas=1)
     yield started
     started.stop()
 
@@ -51,6 +51,28 @@ def test_completions_and_streams_through_the_actors_equal_the_offline_llm(server
     for phase in ("queue", "prefill"):
         name = f"vllm:request_{phase}_time_seconds_count"
         assert after[name] == before[name] + 2  # the whole completion and the stream
+
+
+def test_a_responses_spec_decode_metrics_are_the_offline_engines_step_for_step(server):
+    """The flag reaches the replica through `dflash serve` and Ray Serve, the per-step level reaches the
+    target actor with the request, and its counters come back: a greedy request's steps equal those of
+    the offline in-process engine."""
+    from target_service.engine.sampling_params import SamplingParams
+    from target_service.llm import LLM
+
+    llm = LLM(**MODEL)
+    try:
+        params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True, spec_decode_per_step=True)
+        offline = llm.generate([PROMPT], params)[0].spec_decode
+    finally:
+        llm.close()
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        body = {"prompt": PROMPT, "max_tokens": 32, "temperature": 0, "ignore_eos": True}
+        stats = http.post("/v1/completions", json=body).json()["metrics"]["speculative_decoding"]
+    assert stats["per_step_accepted"] == offline.per_step_accepted and offline.num_drafts > 0
+    assert stats["per_step_drafted"] == offline.per_step_drafted
+    assert stats["acceptance_histogram"] == offline.acceptance_histogram
+    assert stats["num_spec_tokens"] == offline.num_spec_tokens > 0
 
 
 def test_a_bad_request_is_refused_by_the_target_and_changes_nothing(server):
