@@ -131,11 +131,11 @@ class OpenAIServer:
         prompts = request.prompts()
         self._check_choices(len(prompts), request.n or 1)
         asks = ChoiceAsks(request.num_logprobs, bool(request.echo), request.echo_only)
-        jobs = []
+        jobs, num_choices = [], len(prompts) * (request.n or 1)
         for number, prompt in enumerate(prompts):
             ids = await self._encode(prompt, "prompt")
             text = prompt if isinstance(prompt, str) else None
-            for j, params in enumerate(self._sampling_params(request, len(ids))):
+            for j, params in enumerate(self._sampling_params(request, len(ids), num_choices)):
                 jobs.append(Job(number * (request.n or 1) + j, ids, params, asks, text))
         return jobs
 
@@ -151,7 +151,7 @@ class OpenAIServer:
         asks = ChoiceAsks(request.num_logprobs, chat=True)
         return [
             Job(j, ids, params, asks)
-            for j, params in enumerate(self._sampling_params(request, len(ids)))
+            for j, params in enumerate(self._sampling_params(request, len(ids), request.n or 1))
         ]
 
     async def completion(self, request: CompletionRequest) -> CompletionResponse:
@@ -212,10 +212,11 @@ class OpenAIServer:
                 f"this server queues at most {capacity} at a time (--max-waiting): split the request",
                 "n" if n > 1 else "prompt")
 
-    def _sampling_params(self, request, num_prompt_tokens: int) -> list:
-        """The request's params, one per choice; under "detailed" the engine keeps each step's counts."""
+    def _sampling_params(self, request, num_prompt_tokens: int, num_choices: int) -> list:
+        """The request's params, one per choice; under "detailed" the engine keeps each step's counts
+        for a request of one choice (the only kind whose response carries them)."""
         params = request.to_sampling_params(num_prompt_tokens, self.max_model_len)
-        if self.spec_decode_metrics == "detailed":
+        if self.spec_decode_metrics == "detailed" and num_choices == 1:
             params = [choice.model_copy(update={"spec_decode_per_step": True}) for choice in params]
         return params
 

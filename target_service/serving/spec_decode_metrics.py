@@ -14,14 +14,14 @@ step drafts. A "spec step" is one verify step that checked at least one draft (`
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, get_args
 
 from pydantic import BaseModel, Field, model_serializer
 
 from target_service.engine.outputs import SpecDecodeStats
 
 SpecDecodeMetricsLevel = Literal["summary", "detailed"]
-SPEC_DECODE_METRICS_LEVELS: tuple[str, ...] = ("summary", "detailed")
+SPEC_DECODE_METRICS_LEVELS: tuple[str, ...] = get_args(SpecDecodeMetricsLevel)  # the CLI's choices
 
 
 class SpeculativeDecodingMetrics(BaseModel):

@@ -14,6 +14,7 @@ from collections import Counter
 
 import httpx
 import pytest
+from fake_engine import call, fake_app
 
 from target_service.serving.api import ServerHolder, create_app
 from target_service.serving.openai_server import OpenAIServer
@@ -196,3 +197,16 @@ def test_the_openapi_schema_describes_metrics_as_optional_and_the_steps_as_detai
         assert "metrics" not in schemas[response].get("required", [])
     stats = schemas["SpeculativeDecodingMetrics"]
     assert set(stats["properties"]) - set(stats["required"]) == {"per_step_accepted", "per_step_drafted"}
+
+
+@pytest.mark.parametrize("level, body, per_step", [
+    ("detailed", {"prompt": "ab"}, [True]),
+    ("detailed", {"prompt": "ab", "n": 3}, [False] * 3),  # suppressed anyway: the steps are not kept
+    ("detailed", {"prompt": ["ab", "cd"]}, [False] * 2),
+    ("summary", {"prompt": "ab"}, [False]),
+    (None, {"prompt": "ab"}, [False]),
+])
+def test_the_engine_keeps_the_steps_only_for_a_detailed_one_choice_request(level, body, per_step):
+    app, engine = fake_app(spec_decode_metrics=level)
+    assert call(app, "POST", "/v1/completions", json={**body, "max_tokens": 4}).status_code == 200
+    assert [params.spec_decode_per_step for _, params in engine.generated] == per_step
