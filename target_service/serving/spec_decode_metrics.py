@@ -9,7 +9,9 @@ adds the per-step arrays too, which the engine keeps only for requests that ask
 
 There is none (no `metrics`) as vLLM has none: for a request of more than one choice (n > 1, or
 several prompts), whose choices each have their own stats; and without a drafter (K 0), where no
-step drafts. A "spec step" is one verify step that checked at least one draft (`SpecDecodeStats`).
+step drafts. A "spec step" is one verify step that checked at least one draft (`SpecDecodeStats`);
+a request with a drafter but no spec step (max_tokens 1: the prefill's token alone) gets its zeros,
+with a mean acceptance length of 1 and rates of 0.
 """
 
 from __future__ import annotations
