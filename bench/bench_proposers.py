@@ -1,0 +1,404 @@
+"""Who should draft: DFlash, prompt lookup (ngram), or the hybrid that picks one per sequence and step,
+on the demo pair, over three kinds of prompt.
+
+    python -m bench.bench_proposers [--prompts-per-class 8] [--rounds 3] [--max-tokens 128]
+        [--device cpu] [--dtype float32] [--seed 1] [--out bench/results/proposers_cpu.md]
+
+Why: the trained drafter wins on code like its training data, the lookup where the target copies (its
+prompt, or itself); the hybrid exists to follow the better of the two on every prompt at almost no
+cost. This measures whether it does, against the goals of its issue (hybrid acceptance >= 0.95 of the
+per-prompt better one's, tok/s within 3% of the better method's on each class, and >= 0.90 of the
+winner's acceptance where one proposer wins by 1.5x), computed and printed whether they pass or not.
+
+Prompt classes, each from held-out files of this Python's standard library (the split the demo pair
+was trained with), tokenized by the demo target's tokenizer:
+- code: held-out code, 48-token prompts (`training.corpus.held_out_prompts`);
+- repeats: a group of lines of 12-24 tokens said three times, then cut half-way through a fourth;
+- edits: a function's source, then "# the same, again:" and its first line.
+
+Greedy (temperature 0, ignore_eos), K = block_size - 1 (15 for the demo pair), through `LLM`. Each
+method runs every prompt alone (batch 1) and the whole class in one batch; each of `--rounds` timing
+rounds (after one warm-up round) runs plain, DFlash, ngram and hybrid back to back on each prompt and
+on the batch, in an order that rotates by round; tok/s is the median over rounds with min-max. On a
+CPU speeds are per second of this process's CPU time (`time.process_time`: other work on the host
+disturbs it less than the wall clock), on a GPU of wall time. Every output is compared with plain
+greedy decoding of the same prompts at the same batch. The hybrid's cost of choosing is the time
+inside `HybridProposer.propose` minus the time inside its DFlash drafter's `propose`, per step; its
+ngram share is the fraction of drafted rows the lookup drafted. Writes one markdown file, with the
+raw record as a JSON block at its end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import datetime
+import json
+import random
+import statistics
+import subprocess
+import textwrap
+import time
+from pathlib import Path
+
+import torch
+
+from drafter_service.checkpoint import open_drafter_checkpoint
+from target_service.assembly.demo import demo_drafter_path, demo_target_path
+from target_service.engine.sampling_params import SamplingParams
+from target_service.llm import LLM
+from target_service.proposers.hybrid import HybridProposer
+from target_service.proposers.token_proposer import NGRAM
+from target_service.runner.checkpoint import open_target_checkpoint
+from training.corpus import held_out_prompts, load_documents, split_documents
+
+RESULTS = Path(__file__).resolve().parent / "results"
+METHODS = ("dflash", "ngram", "hybrid")  # the proposers compared; "plain" is timed beside them
+MODES = ("batch1", "batch")
+AGAIN = "\n# the same, again:\n"
+
+
+# ---- prompts ------------------------------------------------------------------------------------
+
+def repeat_prompts(tokenizer, documents, count: int, rng: random.Random) -> list[list[int]]:
+    """A group of consecutive non-blank lines of 12-24 tokens, three times, then half of it again."""
+    prompts = []
+    for doc in rng.sample(documents, len(documents)):
+        lines = doc.text.splitlines(keepends=True)
+        for start in rng.sample(range(len(lines)), min(len(lines), 20)):
+            group = ""
+            for line in lines[start:start + 6]:
+                if not line.strip():
+                    break
+                group += line
+                length = len(tokenizer.encode(group).ids)
+                if length >= 12:
+                    break
+            if 12 <= length <= 24 and group.endswith("\n"):
+                head = len(tokenizer.encode(group * 3).ids)
+                prompts.append(tokenizer.encode(group * 4).ids[: head + length // 2])
+                break
+        if len(prompts) == count:
+            return prompts
+    raise ValueError(f"found {len(prompts)} repeat prompts of {count}")
+
+
+def _functions(text: str) -> list[str]:
+    """Dedented sources of the functions in a file (none when it does not parse)."""
+    try:
+        tree = ast.parse(text)
+    except (SyntaxError, ValueError):
+        return []
+    lines = text.splitlines(keepends=True)
+    return [textwrap.dedent("".join(lines[node.lineno - 1:node.end_lineno]))
+            for node in ast.walk(tree) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))]
+
+
+def edit_prompts(tokenizer, documents, count: int, rng: random.Random) -> list[list[int]]:
+    """A function of 40-160 tokens, then AGAIN and its first line: the target should copy it."""
+    prompts = []
+    for doc in rng.sample(documents, len(documents)):
+        sources = [s for s in _functions(doc.text) if 40 <= len(tokenizer.encode(s).ids) <= 160]
+        if sources:
+            source = rng.choice(sources)
+            prompts.append(tokenizer.encode(source + AGAIN + source.splitlines(keepends=True)[0]).ids)
+        if len(prompts) == count:
+            return prompts
+    raise ValueError(f"found {len(prompts)} edit prompts of {count}")
+
+
+def prompt_classes(target: str, count: int, seed: int) -> dict[str, list[list[int]]]:
+    tokenizer = open_target_checkpoint(target).tokenizer
+    _, held = split_documents(load_documents(None), 5.0)
+    rng = random.Random(seed)
+    return {"code": held_out_prompts(tokenizer, held, count, 48, seed=seed),
+            "repeats": repeat_prompts(tokenizer, held, count, rng),
+            "edits": edit_prompts(tokenizer, held, count, rng)}
+
+
+# ---- measuring ----------------------------------------------------------------------------------
+
+class ChoiceMeter:
+    """Wraps a hybrid engine's proposer: time inside its propose and inside its DFlash drafter's
+    propose (the difference is what choosing costs), steps, and who drafted each row per request."""
+
+    def __init__(self, llm: LLM, clock):
+        proposer = llm.assembly.runner.drafter
+        if not isinstance(proposer, HybridProposer):
+            raise TypeError(f"not a hybrid engine: its proposer is {type(proposer).__name__}")
+        self.clock = clock
+        self.reset()
+        propose, dflash_propose = proposer.propose, proposer.dflash.propose
+
+        def timed_dflash(*args):
+            started = clock()
+            dflash_propose(*args)
+            self.dflash_s += clock() - started
+
+        def timed(*args):
+            started = clock()
+            propose(*args)
+            self.hybrid_s += clock() - started
+            self.steps += 1
+            for seq, source in zip(proposer.staged, proposer.sources):
+                rows = self.rows.setdefault(seq.request_id, [0, 0])  # [ngram rows, all rows]
+                rows[0] += source == NGRAM
+                rows[1] += 1
+
+        proposer.dflash.propose, proposer.propose = timed_dflash, timed
+
+    def reset(self) -> None:
+        self.hybrid_s = self.dflash_s = 0.0
+        self.steps = 0
+        self.rows: dict[str, list[int]] = {}
+
+
+def open_engines(target: str, drafter: str, *, num_speculative_tokens: int, batch: int, max_model_len: int,
+                 device: str, dtype: str) -> dict[str, LLM]:
+    settings = dict(device=device, dtype=dtype, max_num_seqs=batch, max_model_len=max_model_len,
+                    kv_cache_memory="256MiB" if device == "cpu" else "4GiB")
+    spec = dict(num_speculative_tokens=num_speculative_tokens)
+    return {"plain": LLM(target, "none", **settings),
+            "dflash": LLM(target, drafter, speculative_method="dflash", **spec, **settings),
+            "ngram": LLM(target, None, speculative_method="ngram", **spec, **settings),
+            "hybrid": LLM(target, drafter, speculative_method="hybrid", **spec, **settings)}
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def run_once(llm: LLM, prompts, params, clock, meter: ChoiceMeter | None) -> dict:
+    """One generate call: seconds of `clock`, the outputs, and per request its counters (and rows)."""
+    if meter is not None:
+        meter.reset()
+    _sync()
+    started = clock()
+    outputs = llm.generate(prompts, params)
+    _sync()
+    seconds = clock() - started
+    run = {"seconds": seconds, "tokens": [out.outputs[0].token_ids for out in outputs],
+           "drafts": [out.spec_decode.num_drafts for out in outputs],
+           "accepted": [out.spec_decode.num_accepted_tokens for out in outputs]}
+    if meter is not None:
+        run.update(hybrid_s=meter.hybrid_s, dflash_s=meter.dflash_s, steps=meter.steps,
+                   rows=[meter.rows.get(out.request_id, [0, 0]) for out in outputs])
+    return run
+
+
+def _acceptance(drafts: int, accepted: int) -> float:
+    return 1.0 + accepted / drafts if drafts else 1.0
+
+
+def _spread(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def _flat(runs: list[dict]) -> list[list[int]]:
+    """The outputs of one round's runs, in prompt order (batch-1 runs are made in prompt order)."""
+    return [tokens for run in runs for tokens in run["tokens"]]
+
+
+def summarize(runs: dict[str, list[list[dict]]], mode: str) -> dict:
+    """runs[method][round] = the round's runs (one per prompt at batch 1, one at batch); round 0 warms up.
+    Per method, against plain greedy at the same batch: per-prompt acceptance, tok/s (per prompt at
+    batch 1, and the whole class), lossless count; the hybrid's ngram share and choosing cost."""
+    expected = _flat(runs["plain"][0])  # plain greedy decoding, the oracle of every output
+    out = {}
+    for method, rounds in runs.items():
+        first = rounds[0]
+        tokens = [t for run in first for t in run["tokens"]]
+        drafts = [d for run in first for d in run["drafts"]]
+        accepted = [a for run in first for a in run["accepted"]]
+        counted = [len(t) for t in tokens]
+        timed = rounds[1:] or rounds
+        speeds = [sum(counted) / sum(run["seconds"] for run in rnd) for rnd in timed]
+        row = {"acceptance": [_acceptance(d, a) for d, a in zip(drafts, accepted)],
+               "num_drafts": drafts, "num_accepted_tokens": accepted,
+               "tokens_per_s": _spread(speeds),
+               "lossless": sum(t == e for rnd in rounds for t, e in zip(_flat(rnd), expected)),
+               "outputs": sum(len(run["tokens"]) for rnd in rounds for run in rnd)}
+        if mode == "batch1":
+            row["prompt_tokens_per_s"] = [
+                statistics.median(len(rnd[i]["tokens"][0]) / rnd[i]["seconds"] for rnd in timed)
+                for i in range(len(first))]
+        if method == "hybrid":
+            rows = [r for run in first for r in run["rows"]]
+            row["ngram_share_per_prompt"] = [n / total if total else 0.0 for n, total in rows]
+            row["ngram_share"] = sum(n for n, _ in rows) / max(1, sum(t for _, t in rows))
+            every = [run for rnd in timed for run in rnd]
+            steps = sum(run["steps"] for run in every)
+            choosing = sum(run["hybrid_s"] - run["dflash_s"] for run in every)
+            row["choose_us_per_step"] = 1e6 * choosing / max(1, steps)
+            row["dflash_us_per_step"] = 1e6 * sum(run["dflash_s"] for run in every) / max(1, steps)
+            row["steps_timed"] = steps
+        out[method] = row
+    return out
+
+
+def measure(target: str, drafter: str, classes: dict[str, list[list[int]]], *, max_tokens: int, rounds: int,
+            device: str, dtype: str, num_speculative_tokens: int | None = None) -> dict:
+    """Per class and mode (batch1, batch), `summarize` of every method's runs, and the goal checks."""
+    clock = time.process_time if device == "cpu" else time.perf_counter
+    if num_speculative_tokens is None:
+        config = open_target_checkpoint(target).config
+        num_speculative_tokens = open_drafter_checkpoint(drafter, config)[0].block_size - 1
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    longest = max(len(p) for prompts in classes.values() for p in prompts)
+    batch = max(len(prompts) for prompts in classes.values())
+    engines = open_engines(target, drafter, num_speculative_tokens=num_speculative_tokens, batch=batch,
+                           max_model_len=longest + max_tokens + num_speculative_tokens + 16,
+                           device=device, dtype=dtype)
+    meter = ChoiceMeter(engines["hybrid"], clock)
+    order = ["plain", *METHODS]
+    record = {"num_speculative_tokens": num_speculative_tokens, "max_tokens": max_tokens, "rounds": rounds,
+              "clock": clock.__name__, "classes": {}}
+    try:
+        for name, prompts in classes.items():
+            runs = {mode: {method: [] for method in order} for mode in MODES}
+            for round_ in range(rounds + 1):  # round 0 warms up (and is the one acceptance is read from)
+                turn = order[round_ % len(order):] + order[:round_ % len(order)]
+                for method in turn:
+                    runs["batch1"][method].append([])
+                    runs["batch"][method].append([])
+                for prompt in prompts:
+                    for method in turn:
+                        probe = meter if method == "hybrid" else None
+                        run = run_once(engines[method], [prompt], params, clock, probe)
+                        runs["batch1"][method][-1].append(run)
+                for method in turn:
+                    probe = meter if method == "hybrid" else None
+                    runs["batch"][method][-1].append(run_once(engines[method], prompts, params, clock, probe))
+            record["classes"][name] = {"prompt_lens": [len(p) for p in prompts], "batch": len(prompts),
+                                       **{mode: summarize(runs[mode], mode) for mode in MODES}}
+    finally:
+        for llm in engines.values():
+            llm.close()
+    record["goals"] = goal_checks(record)
+    return record
+
+
+def goal_checks(record: dict) -> dict:
+    """Per class and mode: hybrid acceptance over the per-prompt better of DFlash and ngram (mean over
+    prompts, goal >= 0.95); hybrid tok/s over the better method's on the class (goal >= 0.97); and on the
+    prompts where one proposer's acceptance is >= 1.5x the other's, hybrid's over the winner's (goal >=
+    0.90 on each)."""
+    goals = {}
+    for name, cls in record["classes"].items():
+        for mode in MODES:
+            rows = cls[mode]
+            dflash, ngram, hybrid = (rows[m]["acceptance"] for m in METHODS)
+            better = [max(d, n) for d, n in zip(dflash, ngram)]
+            speeds = {m: rows[m]["tokens_per_s"]["median"] for m in METHODS}
+            best = max(("dflash", "ngram"), key=speeds.get)
+            decisive = [(i, h / max(d, n)) for i, (d, n, h) in enumerate(zip(dflash, ngram, hybrid))
+                        if max(d, n) >= 1.5 * min(d, n)]
+            acceptance = statistics.mean(hybrid) / statistics.mean(better)
+            speed = speeds["hybrid"] / speeds[best]
+            goals[f"{name}/{mode}"] = {
+                "acceptance_ratio": acceptance, "acceptance_pass": acceptance >= 0.95,
+                "best_method": best, "speed_ratio": speed, "speed_pass": speed >= 0.97,
+                "decisive_prompts": [i for i, _ in decisive], "decisive_fractions": [f for _, f in decisive],
+                "decisive_pass": all(f >= 0.90 for _, f in decisive)}
+    return goals
+
+
+# ---- report -------------------------------------------------------------------------------------
+
+def _rate(spread: dict) -> str:
+    return f"{spread['median']:.0f} ({spread['min']:.0f}-{spread['max']:.0f})"
+
+
+def _verdict(ok: bool) -> str:
+    return "pass" if ok else "FAIL"
+
+
+def _class_table(name: str, cls: dict, mode: str) -> list[str]:
+    rows = cls[mode]
+    hybrid = rows["hybrid"]
+    title = "each prompt alone" if mode == "batch1" else f"one batch of {cls['batch']}"
+    lines = [f"### {name}, {title}", "",
+             "| prompt (tokens) | acceptance dflash / ngram / hybrid | tok/s dflash / ngram / hybrid "
+             "| hybrid's ngram share |", "| --- | --- | --- | --- |"]
+    for i, length in enumerate(cls["prompt_lens"]):
+        acc = " / ".join(f"{rows[m]['acceptance'][i]:.2f}" for m in METHODS)
+        speed = (" / ".join(f"{rows[m]['prompt_tokens_per_s'][i]:.0f}" for m in METHODS)
+                 if mode == "batch1" else "-")
+        lines.append(f"| {i} ({length}) | {acc} | {speed} | {hybrid['ngram_share_per_prompt'][i]:.2f} |")
+    mean = " / ".join(f"{statistics.mean(rows[m]['acceptance']):.2f}" for m in METHODS)
+    speed = " / ".join(_rate(rows[m]["tokens_per_s"]) for m in METHODS)
+    lines += [f"| **class** | {mean} | {speed} | {hybrid['ngram_share']:.2f} |", "",
+              f"Plain decoding {_rate(rows['plain']['tokens_per_s'])} tok/s. Identical to plain greedy: "
+              + ", ".join(f"{m} {rows[m]['lossless']}/{rows[m]['outputs']}" for m in METHODS)
+              + f". Choosing: {hybrid['choose_us_per_step']:.0f} us per step beside the DFlash drafter's "
+              f"{hybrid['dflash_us_per_step']:.0f} us ({hybrid['steps_timed']} timed steps).", ""]
+    return lines
+
+
+def report(record: dict) -> str:
+    lines = ["# Proposers: DFlash, ngram and hybrid on the demo pair", "",
+             f"- command: `{record['command']}`", f"- device: {record['device']}",
+             f"- commit {record['commit']}, {record['date']}; torch {record['torch']}, "
+             f"{record['threads']} threads, {record['dtype']}; the run took {record['wall_s']:.0f} s "
+             "of wall time",
+             f"- greedy, ignore_eos, K {record['num_speculative_tokens']}, {record['max_tokens']} new "
+             f"tokens; tok/s of {record['clock']} (median over {record['rounds']} rounds after a warm-up, "
+             "min-max); the class line's tok/s is all its tokens over all its seconds; acceptance = "
+             "1 + accepted / drafts from the warm-up round's RequestOutputs", "",
+             "## Goal checks", "",
+             "| class / batch | hybrid acceptance / per-prompt better (>= 0.95) "
+             "| hybrid tok/s / best method's (>= 0.97) "
+             "| decisive prompts: hybrid / winner's acceptance (>= 0.90 each) |",
+             "| --- | --- | --- | --- |"]
+    for key, goal in record["goals"].items():
+        fractions = ", ".join(f"{f:.2f}" for f in goal["decisive_fractions"]) or "none"
+        lines.append(f"| {key} | {goal['acceptance_ratio']:.3f} {_verdict(goal['acceptance_pass'])} "
+                     f"| {goal['speed_ratio']:.3f} vs {goal['best_method']} {_verdict(goal['speed_pass'])} "
+                     f"| {fractions} {_verdict(goal['decisive_pass'])} |")
+    lines += ["", "## Per class", ""]
+    for name, cls in record["classes"].items():
+        for mode in MODES:
+            lines += _class_table(name, cls, mode)
+    lines += ["## Raw record", "", "```json", json.dumps(record, indent=1), "```", ""]
+    return "\n".join(lines)
+
+
+def cpu_model() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return "unknown"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--prompts-per-class", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--dtype", default=None)
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--out", default=str(RESULTS / "proposers_cpu.md"))
+    args = parser.parse_args()
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = args.dtype or ("float32" if device == "cpu" else "bfloat16")
+    target, drafter = str(demo_target_path()), str(demo_drafter_path())
+    started = time.perf_counter()
+    classes = prompt_classes(target, args.prompts_per_class, args.seed)
+    record = measure(target, drafter, classes, max_tokens=args.max_tokens, rounds=args.rounds,
+                     device=device, dtype=dtype)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None)
+    where = (f"{torch.get_num_threads()} CPU cores ({cpu_model()})" if device == "cpu"
+             else torch.cuda.get_device_name())
+    record.update(command=f"python -m bench.bench_proposers {flags}", device=where,
+                  commit=commit.stdout.strip(),
+                  date=datetime.date.today().isoformat(), torch=torch.__version__,
+                  threads=torch.get_num_threads(), dtype=dtype, wall_s=time.perf_counter() - started)
+    Path(args.out).write_text(report(record))
+    print(report(record).split("## Raw record")[0])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,73 @@
+"""bench.bench_proposers' measuring core on a tiny random pair: two prompts per class, 8 tokens.
+
+Oracles: every method's outputs equal plain greedy decoding (the bench's lossless counts are full);
+the acceptance it reports for each prompt equals 1 + accepted / drafts of a separate engine's
+RequestOutput for that prompt alone; the hybrid's ngram share is a fraction of the rows it drafted,
+and its choosing cost was measured over steps it actually took.
+"""
+
+import pytest
+import torch
+from engine_helpers import make_pair, random_prompts
+
+from bench.bench_proposers import METHODS, MODES, measure
+from target_service.engine.sampling_params import SamplingParams
+from target_service.llm import LLM
+
+MAX_TOKENS, ROUNDS, VOCAB = 8, 1, 160
+
+
+def classes() -> dict[str, list[list[int]]]:
+    phrase = [torch.randint(3, VOCAB, (5,)).tolist() for _ in range(2)]
+    return {"code": random_prompts(2, VOCAB, low=8, high=20),
+            "repeats": [p * 3 + p[:2] for p in phrase],
+            "edits": [[*p, 7, *p[:1]] for p in random_prompts(2, VOCAB, low=8, high=20)]}
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory):
+    target, drafter = make_pair(tmp_path_factory.mktemp("pair"))
+    prompts = classes()
+    record = measure(str(target), str(drafter), prompts, max_tokens=MAX_TOKENS, rounds=ROUNDS,
+                     device="cpu", dtype="float32")
+    return str(target), str(drafter), prompts, record
+
+
+def test_every_method_is_lossless_and_every_run_counted(measured):
+    _, _, prompts, record = measured
+    for name, cls in record["classes"].items():
+        for mode in MODES:
+            for method in ("plain", *METHODS):
+                row = cls[mode][method]
+                assert row["outputs"] == len(prompts[name]) * (ROUNDS + 1), (name, mode, method)
+                assert row["lossless"] == row["outputs"], (name, mode, method)
+
+
+def test_reported_acceptance_is_one_plus_accepted_over_drafts_of_the_request(measured):
+    target, drafter, prompts, record = measured
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    for method in METHODS:
+        llm = LLM(target, None if method == "ngram" else drafter, speculative_method=method,
+                  num_speculative_tokens=record["num_speculative_tokens"], device="cpu", dtype="float32",
+                  kv_cache_memory="16MiB", max_model_len=128)
+        try:
+            for name, cls in record["classes"].items():
+                for i, prompt in enumerate(prompts[name]):
+                    stats = llm.generate([prompt], params)[0].spec_decode
+                    assert stats.num_drafts > 0
+                    expected = 1 + stats.num_accepted_tokens / stats.num_drafts
+                    reported = cls["batch1"][method]["acceptance"][i]
+                    assert reported == pytest.approx(expected), (method, name, i)
+        finally:
+            llm.close()
+
+
+def test_ngram_share_is_a_fraction_and_choosing_was_timed_over_real_steps(measured):
+    *_, record = measured
+    for cls in record["classes"].values():
+        for mode in MODES:
+            hybrid = cls[mode]["hybrid"]
+            assert 0.0 <= hybrid["ngram_share"] <= 1.0
+            assert all(0.0 <= share <= 1.0 for share in hybrid["ngram_share_per_prompt"])
+            assert hybrid["steps_timed"] > 0 and hybrid["choose_us_per_step"] > 0
+    assert set(record["goals"]) == {f"{name}/{mode}" for name in record["classes"] for mode in MODES}
