@@ -3,7 +3,8 @@
 Oracles: every method's outputs equal plain greedy decoding (the bench's lossless counts are full);
 the acceptance it reports for each prompt equals 1 + accepted / drafts of a separate engine's
 RequestOutput for that prompt alone; the hybrid's ngram share is a fraction of the rows it drafted,
-and its choosing cost was measured over steps it actually took.
+each request's rows at least its verified drafts, and its choosing cost was measured over steps it
+actually took.
 """
 
 import pytest
@@ -69,5 +70,7 @@ def test_ngram_share_is_a_fraction_and_choosing_was_timed_over_real_steps(measur
             hybrid = cls[mode]["hybrid"]
             assert 0.0 <= hybrid["ngram_share"] <= 1.0
             assert all(0.0 <= share <= 1.0 for share in hybrid["ngram_share_per_prompt"])
+            for (lookup, drafted), drafts in zip(hybrid["rows_per_prompt"], hybrid["num_drafts"]):
+                assert 0 <= lookup <= drafted and drafted >= drafts > 0  # every verified draft was a row
             assert hybrid["steps_timed"] > 0 and hybrid["choose_us_per_step"] > 0
     assert set(record["goals"]) == {f"{name}/{mode}" for name in record["classes"] for mode in MODES}
