@@ -1,7 +1,7 @@
 """Who should draft: DFlash, prompt lookup (ngram), or the hybrid that picks one per sequence and step,
 on the demo pair, over three kinds of prompt.
 
-    python -m bench.bench_proposers [--prompts-per-class 8] [--rounds 3] [--max-tokens 128]
+    python -m bench.bench_proposers [--prompts-per-class 4] [--rounds 2] [--max-tokens 128]
         [--device cpu] [--dtype float32] [--seed 1] [--out bench/results/proposers_cpu.md]
 
 Why: the trained drafter wins on code like its training data, the lookup where the target copies (its
@@ -381,8 +381,8 @@ def cpu_model() -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--prompts-per-class", type=int, default=8)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--prompts-per-class", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--device", default=None)
     parser.add_argument("--dtype", default=None)
