@@ -277,7 +277,7 @@ def measure(target: str, drafter: str, classes: dict[str, list[list[int]]], *, m
                     runs["batch"][method][-1].append(run_once(engines[method], prompts, params, clock, probe))
             print(f"{name}: {len(prompts)} prompts, {time.perf_counter() - started:.0f} s", file=sys.stderr,
                   flush=True)
-            record["classes"][name] = {"prompt_lens": [len(p) for p in prompts], "batch": len(prompts),
+            record["classes"][name] = {"prompt_lens": [len(p) for p in prompts], "batch_size": len(prompts),
                                        **{mode: summarize(runs[mode], mode) for mode in MODES}}
     finally:
         for llm in engines.values():
@@ -324,7 +324,7 @@ def _verdict(ok: bool) -> str:
 def _class_table(name: str, cls: dict, mode: str) -> list[str]:
     rows = cls[mode]
     hybrid = rows["hybrid"]
-    title = "each prompt alone" if mode == "batch1" else f"one batch of {cls['batch']}"
+    title = "each prompt alone" if mode == "batch1" else f"one batch of {cls['batch_size']}"
     lines = [f"### {name}, {title}", "",
              "| prompt (tokens) | acceptance dflash / ngram / hybrid | tok/s dflash / ngram / hybrid "
              "| hybrid's ngram share |", "| --- | --- | --- | --- |"]
