@@ -10,8 +10,9 @@ cost. This measures whether it does, against the goals of its issue (hybrid acce
 per-prompt better one's, tok/s within 3% of the better method's on each class, and >= 0.90 of the
 winner's acceptance where one proposer wins by 1.5x), computed and printed whether they pass or not.
 
-Prompt classes, each from held-out files of this Python's standard library (the split the demo pair
-was trained with), tokenized by the demo target's tokenizer:
+Prompt classes (built by `bench.proposer_prompts`; the goals and the report are `bench.proposer_report`),
+each from held-out files of this Python's standard library (the split the demo pair was trained with),
+tokenized by the demo target's tokenizer:
 - code: held-out code, 48-token prompts (`training.corpus.held_out_prompts`);
 - repeats: a group of lines of 12-24 tokens said three times, then cut half-way through a fourth;
 - edits: a function's source, then "# the same, again:" and its first line.
@@ -32,19 +33,18 @@ raw record as a JSON block at its end.
 from __future__ import annotations
 
 import argparse
-import ast
 import datetime
-import json
-import random
 import statistics
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 
 import torch
 
+from bench.proposer_prompts import prompt_classes
+from bench.proposer_report import METHODS, MODES, goal_checks, report
+from dflash_cli.bench.serve_report import client_machine
 from drafter_service.checkpoint import open_drafter_checkpoint
 from target_service.assembly.demo import demo_drafter_path, demo_target_path
 from target_service.engine.sampling_params import SamplingParams
@@ -52,70 +52,8 @@ from target_service.llm import LLM
 from target_service.proposers.hybrid import HybridProposer
 from target_service.proposers.token_proposer import NGRAM
 from target_service.runner.checkpoint import open_target_checkpoint
-from training.corpus import held_out_prompts, load_documents, split_documents
 
 RESULTS = Path(__file__).resolve().parent / "results"
-METHODS = ("dflash", "ngram", "hybrid")  # the proposers compared; "plain" is timed beside them
-MODES = ("batch1", "batch")
-AGAIN = "\n# the same, again:\n"
-
-
-# ---- prompts ------------------------------------------------------------------------------------
-
-def repeat_prompts(tokenizer, documents, count: int, rng: random.Random) -> list[list[int]]:
-    """A group of consecutive non-blank lines of 12-24 tokens, three times, then half of it again."""
-    prompts = []
-    for doc in rng.sample(documents, len(documents)):
-        lines = doc.text.splitlines(keepends=True)
-        for start in rng.sample(range(len(lines)), min(len(lines), 20)):
-            group = ""
-            for line in lines[start:start + 6]:
-                if not line.strip():
-                    break
-                group += line
-                length = len(tokenizer.encode(group).ids)
-                if length >= 12:
-                    break
-            if 12 <= length <= 24 and group.endswith("\n"):
-                head = len(tokenizer.encode(group * 3).ids)
-                prompts.append(tokenizer.encode(group * 4).ids[: head + length // 2])
-                break
-        if len(prompts) == count:
-            return prompts
-    raise ValueError(f"found {len(prompts)} repeat prompts of {count}")
-
-
-def _functions(text: str) -> list[str]:
-    """Dedented sources of the functions in a file (none when it does not parse)."""
-    try:
-        tree = ast.parse(text)
-    except (SyntaxError, ValueError):
-        return []
-    lines = text.splitlines(keepends=True)
-    return [textwrap.dedent("".join(lines[node.lineno - 1:node.end_lineno]))
-            for node in ast.walk(tree) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))]
-
-
-def edit_prompts(tokenizer, documents, count: int, rng: random.Random) -> list[list[int]]:
-    """A function of 40-160 tokens, then AGAIN and its first line: the target should copy it."""
-    prompts = []
-    for doc in rng.sample(documents, len(documents)):
-        sources = [s for s in _functions(doc.text) if 40 <= len(tokenizer.encode(s).ids) <= 160]
-        if sources:
-            source = rng.choice(sources)
-            prompts.append(tokenizer.encode(source + AGAIN + source.splitlines(keepends=True)[0]).ids)
-        if len(prompts) == count:
-            return prompts
-    raise ValueError(f"found {len(prompts)} edit prompts of {count}")
-
-
-def prompt_classes(target: str, count: int, seed: int) -> dict[str, list[list[int]]]:
-    tokenizer = open_target_checkpoint(target).tokenizer
-    _, held = split_documents(load_documents(None), 5.0)
-    rng = random.Random(seed)
-    return {"code": held_out_prompts(tokenizer, held, count, 48, seed=seed),
-            "repeats": repeat_prompts(tokenizer, held, count, rng),
-            "edits": edit_prompts(tokenizer, held, count, rng)}
 
 
 # ---- measuring ----------------------------------------------------------------------------------
@@ -286,99 +224,6 @@ def measure(target: str, drafter: str, classes: dict[str, list[list[int]]], *, m
     return record
 
 
-def goal_checks(record: dict) -> dict:
-    """Per class and mode: hybrid acceptance over the per-prompt better of DFlash and ngram (mean over
-    prompts, goal >= 0.95); hybrid tok/s over the better method's on the class (goal >= 0.97); and on the
-    prompts where one proposer's acceptance is >= 1.5x the other's, hybrid's over the winner's (goal >=
-    0.90 on each)."""
-    goals = {}
-    for name, cls in record["classes"].items():
-        for mode in MODES:
-            rows = cls[mode]
-            dflash, ngram, hybrid = (rows[m]["acceptance"] for m in METHODS)
-            better = [max(d, n) for d, n in zip(dflash, ngram)]
-            speeds = {m: rows[m]["tokens_per_s"]["median"] for m in METHODS}
-            best = max(("dflash", "ngram"), key=speeds.get)
-            decisive = [(i, h / max(d, n)) for i, (d, n, h) in enumerate(zip(dflash, ngram, hybrid))
-                        if max(d, n) >= 1.5 * min(d, n)]
-            acceptance = statistics.mean(hybrid) / statistics.mean(better)
-            speed = speeds["hybrid"] / speeds[best]
-            goals[f"{name}/{mode}"] = {
-                "acceptance_ratio": acceptance, "acceptance_pass": acceptance >= 0.95,
-                "best_method": best, "speed_ratio": speed, "speed_pass": speed >= 0.97,
-                "decisive_prompts": [i for i, _ in decisive], "decisive_fractions": [f for _, f in decisive],
-                "decisive_pass": all(f >= 0.90 for _, f in decisive)}
-    return goals
-
-
-# ---- report -------------------------------------------------------------------------------------
-
-def _rate(spread: dict) -> str:
-    return f"{spread['median']:.0f} ({spread['min']:.0f}-{spread['max']:.0f})"
-
-
-def _verdict(ok: bool) -> str:
-    return "pass" if ok else "FAIL"
-
-
-def _class_table(name: str, cls: dict, mode: str) -> list[str]:
-    rows = cls[mode]
-    hybrid = rows["hybrid"]
-    title = "each prompt alone" if mode == "batch1" else f"one batch of {cls['batch_size']}"
-    lines = [f"### {name}, {title}", "",
-             "| prompt (tokens) | acceptance dflash / ngram / hybrid | tok/s dflash / ngram / hybrid "
-             "| hybrid's ngram share |", "| --- | --- | --- | --- |"]
-    for i, length in enumerate(cls["prompt_lens"]):
-        acc = " / ".join(f"{rows[m]['acceptance'][i]:.2f}" for m in METHODS)
-        speed = (" / ".join(f"{rows[m]['prompt_tokens_per_s'][i]:.0f}" for m in METHODS)
-                 if mode == "batch1" else "-")
-        lines.append(f"| {i} ({length}) | {acc} | {speed} | {hybrid['ngram_share_per_prompt'][i]:.2f} |")
-    mean = " / ".join(f"{statistics.mean(rows[m]['acceptance']):.2f}" for m in METHODS)
-    speed = " / ".join(_rate(rows[m]["tokens_per_s"]) for m in METHODS)
-    lines += [f"| **class** | {mean} | {speed} | {hybrid['ngram_share']:.2f} |", "",
-              f"Plain decoding {rows['plain']['tokens_per_s']['median']:.0f} tok/s (one round). "
-              "Identical to plain greedy: "
-              + ", ".join(f"{m} {rows[m]['lossless']}/{rows[m]['outputs']}" for m in METHODS)
-              + f". Choosing: {hybrid['choose_us_per_step']:.0f} us per step beside the DFlash drafter's "
-              f"{hybrid['dflash_us_per_step']:.0f} us ({hybrid['steps_timed']} timed steps).", ""]
-    return lines
-
-
-def report(record: dict) -> str:
-    lines = ["# Proposers: DFlash, ngram and hybrid on the demo pair", "",
-             f"- command: `{record['command']}`", f"- device: {record['device']}",
-             f"- commit {record['commit']}, {record['date']}; torch {record['torch']}, "
-             f"{record['threads']} threads, {record['dtype']}; the run took {record['wall_s']:.0f} s "
-             "of wall time",
-             f"- greedy, ignore_eos, K {record['num_speculative_tokens']}, {record['max_tokens']} new "
-             f"tokens; tok/s of {record['clock']} (median over {record['rounds']} rounds after a warm-up, "
-             "min-max); the class line's tok/s is all its tokens over all its seconds; acceptance = "
-             "1 + accepted / drafts from the warm-up round's RequestOutputs", "",
-             "## Goal checks", "",
-             "| class / batch | hybrid acceptance / per-prompt better (>= 0.95) "
-             "| hybrid tok/s / best method's (>= 0.97) "
-             "| decisive prompts: hybrid / winner's acceptance (>= 0.90 each) |",
-             "| --- | --- | --- | --- |"]
-    for key, goal in record["goals"].items():
-        fractions = ", ".join(f"{f:.2f}" for f in goal["decisive_fractions"]) or "none"
-        lines.append(f"| {key} | {goal['acceptance_ratio']:.3f} {_verdict(goal['acceptance_pass'])} "
-                     f"| {goal['speed_ratio']:.3f} vs {goal['best_method']} {_verdict(goal['speed_pass'])} "
-                     f"| {fractions} {_verdict(goal['decisive_pass'])} |")
-    lines += ["", "## Per class", ""]
-    for name, cls in record["classes"].items():
-        for mode in MODES:
-            lines += _class_table(name, cls, mode)
-    lines += ["## Raw record", "", "```json", json.dumps(record, indent=1), "```", ""]
-    return "\n".join(lines)
-
-
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "unknown"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--prompts-per-class", type=int, default=4)
@@ -398,7 +243,7 @@ def main() -> None:
                      device=device, dtype=dtype)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
     flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None)
-    where = (f"{torch.get_num_threads()} CPU cores ({cpu_model()})" if device == "cpu"
+    where = (f"{torch.get_num_threads()} threads on {client_machine()}" if device == "cpu"
              else torch.cuda.get_device_name())
     record.update(command=f"python -m bench.bench_proposers {flags}", device=where,
                   commit=commit.stdout.strip(),
