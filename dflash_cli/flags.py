@@ -94,3 +94,13 @@ def byte_size(flag: str, text: str) -> int:
         return parse_byte_size(text)
     except ValueError as error:
         raise ValueError(f"{flag}: {error}") from None
+
+
+def add_proposer_flags(parser: argparse.ArgumentParser) -> None:
+    """Who drafts, as `dflash serve` and `dflash generate` both take it (EngineArgs' names)."""
+    parser.add_argument("--speculative-method", choices=("dflash", "ngram", "hybrid"),
+                        help="who drafts: the DFlash drafter, prompt lookup over the prompt and output "
+                             "(ngram: no drafter), or per sequence and step the better of the two (hybrid); "
+                             "default: dflash with a drafter, plain decoding without")
+    parser.add_argument("--prompt-lookup-min", type=int, default=1, help="shortest n-gram lookup matches")
+    parser.add_argument("--prompt-lookup-max", type=int, default=3, help="longest n-gram lookup matches")

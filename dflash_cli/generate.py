@@ -6,6 +6,7 @@ import argparse
 import json
 import time
 
+from dflash_cli.flags import add_proposer_flags
 from dflash_cli.main import CliError
 
 
@@ -21,12 +22,7 @@ def register(subparsers) -> None:
                                           "default: the demo drafter with the demo target, else none)")
     parser.add_argument("-k", "--num-speculative-tokens", type=int,
                         help="drafts per step (default: block_size - 1)")
-    parser.add_argument("--speculative-method", choices=("dflash", "ngram", "hybrid"),
-                        help="who drafts: the DFlash drafter, prompt lookup over the prompt and output "
-                             "(ngram: no drafter), or per sequence and step the better of the two (hybrid); "
-                             "default: dflash with a drafter, plain decoding without")
-    parser.add_argument("--prompt-lookup-min", type=int, default=1, help="shortest n-gram lookup matches")
-    parser.add_argument("--prompt-lookup-max", type=int, default=3, help="longest n-gram lookup matches")
+    add_proposer_flags(parser)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--top-p", type=float, default=1.0)

@@ -15,6 +15,7 @@ import os
 import signal
 import threading
 
+from dflash_cli.flags import add_proposer_flags
 from target_service.serving.spec_decode_metrics import SPEC_DECODE_METRICS_LEVELS
 
 
@@ -35,12 +36,7 @@ def register(subparsers) -> None:
     parser.add_argument("--address", help="Ray cluster to join: its GCS host:port or ray://host:10001 "
                                           "(default: $RAY_ADDRESS, else a local Ray)")
     parser.add_argument("-k", "--num-speculative-tokens", type=int, help="drafts per step")
-    parser.add_argument("--speculative-method", choices=("dflash", "ngram", "hybrid"),
-                        help="who drafts: the DFlash drafter, prompt lookup over the prompt and output "
-                             "(ngram: no drafter), or per sequence and step the better of the two (hybrid); "
-                             "default: dflash with a drafter, plain decoding without")
-    parser.add_argument("--prompt-lookup-min", type=int, default=1, help="shortest n-gram lookup matches")
-    parser.add_argument("--prompt-lookup-max", type=int, default=3, help="longest n-gram lookup matches")
+    add_proposer_flags(parser)
     parser.add_argument("--context-storage", choices=("paged", "dense"), default="paged")
     parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"))
     parser.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",

@@ -53,12 +53,8 @@ def _moving(score: float | None, value: float) -> float:
 
 
 def _common_prefix(proposal: list[int], emitted: list[int]) -> int:
-    count = 0
-    for proposed, actual in zip(proposal, emitted):
-        if proposed != actual:
-            break
-        count += 1
-    return count
+    differs = (i for i, (proposed, actual) in enumerate(zip(proposal, emitted)) if proposed != actual)
+    return next(differs, min(len(proposal), len(emitted)))
 
 
 class HybridProposer(TokenProposer):

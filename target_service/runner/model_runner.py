@@ -33,7 +33,7 @@ from target_service.engine.draft_budget import DraftBudget
 from target_service.engine.scheduler_output import DecodeWork, SchedulerOutput
 from target_service.engine.sequence import Sequence
 from target_service.engine.step_runner import StepTokens
-from target_service.proposers.token_proposer import DFLASH, TokenProposer
+from target_service.proposers.token_proposer import TokenProposer
 from target_service.runner.context_rows import SeqTaps, select_context_rows
 from target_service.runner.cuda_graphs import GraphKey, TargetGraphs
 from target_service.runner.forward_batch import ForwardBatch, pack
@@ -59,7 +59,6 @@ class LaunchedStep:
     readback: HostReadback  # targets then accepted, on their way to the host
     failed: dict[int, Exception] = field(default_factory=dict)  # seq_id -> why its sampling failed
     logprobs: StepLogprobs | None = None  # the asking requests' logprobs, on their way; None: nobody asked
-    sources: list[str | None] = field(default_factory=list)  # per decode: who drafted it (None: no drafts)
 
 
 class ModelRunner:
@@ -111,15 +110,13 @@ class ModelRunner:
 
     def launch(self, plan: SchedulerOutput) -> LaunchedStep:
         """Queue the step `plan` schedules: its drafts, forward, verification and context store."""
-        verified, sources = self._propose(plan)
+        verified = self._propose(plan)
         max_accepted = [min(work.max_accepted, count) for work, count in zip(plan.decodes, verified)]
         chunks, rows, index = scheduled_layout(plan, verified, max_accepted, taps=self._taps,
                                                width=self._draft_width())
         batch = pack(chunks, self.tokens_per_block, self.device)
         verify = index.to_device(self.device) if index.num_draft_tokens else None
-        launched = self._launch(plan, verified, max_accepted, rows, batch, verify)
-        launched.sources = sources
-        return launched
+        return self._launch(plan, verified, max_accepted, rows, batch, verify)
 
     def launch_after(self, current: LaunchedStep, plan: SchedulerOutput) -> LaunchedStep | None:
         """Queue `plan`, the step after `current` (`Scheduler.schedule_ahead`), from `current`'s device
@@ -149,9 +146,7 @@ class ModelRunner:
         batch = uniform_decode_batch(bonus, starts, table, num_verified, self.tokens_per_block, taps)
         rows, index = uniform_layout(seqs, num_verified, taps=taps, width=self._draft_width())
         verify = replace(index.to_device(self.device), max_accepted=max_accepted) if num_verified else None
-        launched = self._launch(plan, [num_verified] * len(seqs), None, rows, batch, verify)
-        launched.sources = [DFLASH if num_verified else None] * len(seqs)
-        return launched
+        return self._launch(plan, [num_verified] * len(seqs), None, rows, batch, verify)
 
     def read(self, launched: LaunchedStep) -> StepTokens:
         """Wait for a launched step's tokens and accepted lengths (one read; a second for the
@@ -188,14 +183,13 @@ class ModelRunner:
 
     # ---- the drafter ------------------------------------------------------------------------------
 
-    def _propose(self, plan: SchedulerOutput) -> tuple[list[int], list[str | None]]:
+    def _propose(self, plan: SchedulerOutput) -> list[int]:
         """Drafts verified per decode (0 for none) from one drafter call (K = the largest asked for),
-        left in the step buffers' draft_tokens in the order of the decodes that draft, and who
-        drafted each decode (None: no drafts); all 0 when the drafter is unavailable."""
+        left in the step buffers' draft_tokens in the order of the decodes that draft; all 0 when the
+        drafter is unavailable."""
         drafting: list[DecodeWork] = [work for work in plan.decodes if work.num_verified > 0]
-        nothing = [0] * len(plan.decodes), [None] * len(plan.decodes)
         if self.drafter is None or not drafting:
-            return nothing
+            return [0] * len(plan.decodes)
         num_verified = max(work.num_verified for work in drafting)
         seqs = [work.seq for work in drafting]
         columns = self.step_buffers.stage_propose(
@@ -204,16 +198,8 @@ class ModelRunner:
         if isinstance(self.drafter, TokenProposer):
             self.drafter.stage_sequences(seqs)
         if not self._call_propose(len(seqs), num_verified, columns, plan.seqs):
-            return nothing
-        by_seq = dict(zip((seq.seq_id for seq in seqs), self._sources(len(seqs))))
-        return ([work.num_verified for work in plan.decodes],
-                [by_seq.get(work.seq.seq_id) for work in plan.decodes])
-
-    def _sources(self, num_seqs: int) -> list[str]:
-        """Who drafted each of the last call's rows: a token proposer says; the DFlash drafter drafts all."""
-        if isinstance(self.drafter, TokenProposer):
-            return list(self.drafter.sources)
-        return [DFLASH] * num_seqs
+            return [0] * len(plan.decodes)
+        return [work.num_verified for work in plan.decodes]
 
     def _call_propose(self, num_seqs: int, num_draft: int, columns: int, scheduled: list[Sequence]) -> bool:
         """Ask the drafter for the staged rows' drafts; False (and `scheduled` go on plainly) when it

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_helpers import make_pair, random_prompts
+from engine_helpers import DraftRecorder, make_pair, random_prompts
 from ngram_reference import common_prefix, search_from_scratch
 
 from target_service.engine.sampling_params import SamplingParams
@@ -105,20 +105,14 @@ def test_each_lookup_step_accepts_what_a_search_from_scratch_predicts(tmp_path):
     assert sum(result.spec_decode.num_accepted_tokens for result in results) > 0
 
 
-class PositionRecorder:
+class PositionRecorder(DraftRecorder):
     """Wraps the DFlash drafter: keeps each proposal by (prompt, position), as drafted (before a
     hybrid puts a lookup's tokens over some rows)."""
 
     def __init__(self, inner, buffers, engine):
-        self.inner, self.buffers, self.engine = inner, buffers, engine
-        self.block_size = inner.block_size
+        super().__init__(inner, buffers)
+        self.engine = engine
         self.proposals: dict[tuple, list[int]] = {}
-
-    def store_context(self, num_rows: int) -> None:
-        self.inner.store_context(num_rows)
-
-    def settle(self) -> None:
-        self.inner.settle()
 
     def propose(self, num_seqs: int, num_draft: int, num_block_cols: int) -> None:
         self.inner.propose(num_seqs, num_draft, num_block_cols)
