@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 import stat
+import time
 from pathlib import Path
 
 import grpc
@@ -35,9 +36,21 @@ def server(ray_machine):
     started.stop()
 
 
+# The processes the tests below read a socket of. Ready is when the HTTP port answers; on a loaded
+# machine Serve's controller can still be between starting and listening then (seen once in a full
+# run), so the snapshot waits for each of them, bounded.
+NEEDED = ("gcs_server", "raylet", "ray::ServeController")
+SNAPSHOT_WAIT_S = 30.0
+
+
 @pytest.fixture(scope="module")
 def sockets(server):
-    return listening_sockets(process_tree(server.process.pid))
+    deadline = time.monotonic() + SNAPSHOT_WAIT_S
+    while True:
+        found = listening_sockets(process_tree(server.process.pid))
+        if {s.process for s in found} >= set(NEEDED) or time.monotonic() > deadline:
+            return found
+        time.sleep(0.5)
 
 
 def _one(sockets, process: str):
