@@ -8,7 +8,8 @@ request's asyncio queue (`loop.call_soon_threadsafe`). Nothing else touches the 
 Admission control: at most `max_waiting` requests wait for a slot; past that `generate` raises
 `QueueFull` at once (the HTTP layer answers 429 with Retry-After), and nothing is enqueued. A request
 whose consumer goes away (client disconnect: the async generator is closed or cancelled) is aborted,
-which frees its pages before the next step.
+which frees its pages before the next step; so is one whose event loop has closed under it (a
+delta that can no longer be delivered never stops the thread).
 
 One request's failure is its own: a request the engine finished with "error", or whose own
 publishing here raised (its detokenisation), gets a last delta (finished, finish_reason "error") and
@@ -141,7 +142,7 @@ class AsyncEngine:
             logger.exception("engine thread stopped")
             self._error = error
             for tracked in self._tracked.values():
-                tracked.loop.call_soon_threadsafe(tracked.queue.put_nowait, EngineDead(repr(error)))
+                _deliver(tracked, EngineDead(repr(error)))
 
     def _take_commands(self, *, block: bool) -> None:
         try:
@@ -163,7 +164,7 @@ class AsyncEngine:
             try:
                 tracked.seq = self.engine.add_request(request_id, prompt, params)
             except ValueError as error:
-                tracked.loop.call_soon_threadsafe(tracked.queue.put_nowait, error)
+                _deliver(tracked, error)
                 return
             self._tracked[request_id] = tracked
         elif command[0] == "abort":
@@ -186,7 +187,15 @@ class AsyncEngine:
                 continue
             if delta.finished:
                 del self._tracked[request_id]
-            tracked.loop.call_soon_threadsafe(tracked.queue.put_nowait, delta)
+            if not _deliver(tracked, delta):
+                self._consumer_gone(request_id)
+
+    def _consumer_gone(self, request_id: str) -> None:
+        """The request's event loop has closed: no one can read it any more, so it leaves the engine."""
+        logger.warning("request %s: its event loop closed before it finished; aborted", request_id)
+        self._tracked.pop(request_id, None)
+        if self.engine.has_request(request_id):
+            self.engine.abort(request_id)
 
     def _delta(self, request_id: str, tracked: _Tracked) -> RequestDelta | None:
         """A request's new tokens and text since the last delta (None: nothing new); a finished one is
@@ -233,6 +242,15 @@ class AsyncEngine:
                              num_output_tokens=len(seq.output_token_ids), spec_decode=seq.spec_decode.copy())
         self._add_logprobs(delta, seq, tracked)
         return delta
+
+
+def _deliver(tracked: _Tracked, item) -> bool:
+    """Hand `item` to the request's queue on its event loop; False when that loop has closed."""
+    try:
+        tracked.loop.call_soon_threadsafe(tracked.queue.put_nowait, item)
+    except RuntimeError:  # asyncio's "Event loop is closed"
+        return False
+    return True
 
 
 def _held_back(text: str, params: SamplingParams) -> int:

@@ -114,7 +114,7 @@ class OpenAIServer:
 
     def drain(self, timeout_s: float) -> int:
         """Refuse new requests, wait up to `timeout_s` for those in flight, then stop the rest and
-        give them a moment to answer; returns how many were stopped. Blocks: call it from another
+        give them a moment to answer and the engine a moment to free their pages; returns how many were stopped. Blocks: call it from another
         thread than the event loop's."""
         self.begin_drain()
         _wait_until_empty(self.in_flight, timeout_s)
@@ -122,6 +122,7 @@ class OpenAIServer:
             return 0
         stopped = self.stop_in_flight(drain_expired(timeout_s))
         _wait_until_empty(self.in_flight, STOP_GRACE_S)
+        _wait_until_idle(self.engine, STOP_GRACE_S)
         return stopped
 
     # ---- requests ---------------------------------------------------------------------------------
@@ -293,6 +294,14 @@ def drain_expired(timeout_s: float) -> str:
     """What a request still running when a drain's time is up is told."""
     return (f"the server is shutting down and its drain time ({timeout_s:g} s) ran out before this "
             "request finished; retry it")
+
+
+def _wait_until_idle(engine: EngineClient, timeout_s: float) -> None:
+    """Wait for the engine to have let go of the stopped requests (their aborts reach it between
+    steps), so a drain that returns has every page back in the pool."""
+    deadline = time.monotonic() + timeout_s
+    while (engine.num_running or engine.num_waiting) and time.monotonic() < deadline:
+        time.sleep(DRAIN_POLL_S)
 
 
 def _wait_until_empty(in_flight: InFlight, timeout_s: float) -> None:

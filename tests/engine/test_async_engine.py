@@ -1,7 +1,8 @@
-"""AsyncEngine: requests streamed from asyncio equal the offline LLM; cancellation frees pages at once;
-a full queue refuses without queueing; a bad prompt is refused before anything is queued."""
+"""AsyncEngine: requests streamed from asyncio equal the offline LLM; cancellation frees pages at once,
+and so does a request whose event loop closed under it, with the thread serving on; a full queue refuses without queueing; a bad prompt is refused before anything is queued."""
 
 import asyncio
+import time
 
 import pytest
 from engine_helpers import make_pair, random_prompts
@@ -94,6 +95,28 @@ def test_closing_a_stream_aborts_the_request_and_frees_its_pages(pair):
     assert asyncio.run(main()) > 0
     engine.shutdown()
     llm.close()
+
+
+def test_a_request_whose_event_loop_closed_is_aborted_and_the_thread_serves_on(pair):
+    target, drafter = pair
+    llm = LLM(target, drafter, **SETTINGS)
+    prompts = random_prompts(2, 160, low=30, high=40)
+    expected = llm.generate([prompts[1]], greedy())[0].outputs[0].token_ids
+    engine = AsyncEngine(llm.engine)
+    loop = asyncio.new_event_loop()
+    orphan = engine.generate(prompts[0], greedy(max_tokens=100))
+    assert not loop.run_until_complete(orphan.__anext__()).finished
+    loop.close()  # its consumer never closes the stream: the loop is simply gone
+    for _ in range(500):
+        if llm.engine.num_requests == 0:
+            break
+        time.sleep(0.01)
+    assert engine.is_healthy and llm.engine.pool_usage().num_used_blocks == 0 and llm.engine.num_requests == 0
+    deltas = asyncio.run(collect(engine, prompts[1], greedy()))
+    assert [token for delta in deltas for token in delta.token_ids] == list(expected)
+    engine.shutdown()
+    llm.close()
+    del orphan
 
 
 def test_a_full_queue_and_a_bad_prompt_are_refused_before_anything_is_queued(pair):
