@@ -114,8 +114,8 @@ class OpenAIServer:
 
     def drain(self, timeout_s: float) -> int:
         """Refuse new requests, wait up to `timeout_s` for those in flight, then stop the rest and
-        give them a moment to answer and the engine a moment to free their pages; returns how many were stopped. Blocks: call it from another
-        thread than the event loop's."""
+        give them a moment to answer, and the engine a moment to free their pages; returns how many
+        were stopped. Blocks: call it from another thread than the event loop's."""
         self.begin_drain()
         _wait_until_empty(self.in_flight, timeout_s)
         if not len(self.in_flight):

@@ -1,5 +1,6 @@
 """AsyncEngine: requests streamed from asyncio equal the offline LLM; cancellation frees pages at once,
-and so does a request whose event loop closed under it, with the thread serving on; a full queue refuses without queueing; a bad prompt is refused before anything is queued."""
+and so does a request whose event loop closed under it, with the thread serving on; a full queue
+refuses without queueing; a bad prompt is refused before anything is queued."""
 
 import asyncio
 import time
