@@ -271,7 +271,8 @@ class LLMEngine:
         for i, work in enumerate(plan.decodes):
             if not work.seq.finish_reason:
                 self._isolated(work.seq, self._accept, work, max_accepted[i], tokens.accepted[i],
-                               tokens.decode_tokens[i], _entry(tokens.decode_logprobs, i))
+                               tokens.decode_tokens[i], _entry(tokens.decode_logprobs, i),
+                               _entry(launched.proposers, i))
         for i, (chunk, chunk_tokens) in enumerate(zip(plan.prefills, tokens.prefill_tokens)):
             if not chunk.seq.finish_reason:
                 self._isolated(chunk.seq, self._finish_prefill, chunk, chunk_tokens,
@@ -303,12 +304,12 @@ class LLMEngine:
             self._ahead = None
 
     def _accept(self, work: DecodeWork, max_accepted: int, accepted: int, target_tokens: list[int],
-                logprobs: list[TokenLogprob] | None) -> None:
-        """Commit one decode's verified rows: the bonus and `accepted` drafts; emit the target's
-        tokens up to and including its first correction (or the token after the last draft)."""
+                logprobs: list[TokenLogprob] | None, proposer: str | None) -> None:
+        """Commit one decode's verified rows: the bonus and `accepted` drafts (`proposer`'s); emit the
+        target's tokens up to and including its first correction (or the token after the last draft)."""
         seq = work.seq
-        self.stats.record(max_accepted, accepted)
-        seq.spec_decode.record(max_accepted, accepted)
+        self.stats.record(max_accepted, accepted, proposer)
+        seq.spec_decode.record(max_accepted, accepted, proposer)
         seq.num_computed += accepted + 1
         self._emit(seq, target_tokens[: accepted + 1], logprobs)
 

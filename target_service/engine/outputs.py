@@ -45,6 +45,8 @@ class SpecDecodeStats:
     per_step_accepted / per_step_drafted: each draft's accepted and verified counts in order, kept only
     for a request whose `SamplingParams.spec_decode_per_step` asks (None otherwise): they grow with
     the output, and only the server's `--per-request-spec-decode-metrics detailed` reads them.
+    by_proposer: the same counts split by who drafted the step ("dflash", "ngram"): a hybrid
+    proposer's share of each, which the totals alone hide.
     """
 
     num_drafts: int = 0
@@ -54,6 +56,7 @@ class SpecDecodeStats:
     acceptance_histogram: list[int] = field(default_factory=list)
     per_step_accepted: list[int] | None = None
     per_step_drafted: list[int] | None = None
+    by_proposer: dict[str, SpecDecodeStats] = field(default_factory=dict)
 
     @classmethod
     def for_request(cls, num_spec_tokens: int, *, per_step: bool = False) -> SpecDecodeStats:
@@ -75,10 +78,13 @@ class SpecDecodeStats:
     def acceptance_rate(self) -> float:
         return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
 
-    def record(self, num_draft: int, num_accepted: int) -> None:
-        """One verify step that checked `num_draft` drafts and accepted the first `num_accepted`."""
+    def record(self, num_draft: int, num_accepted: int, proposer: str | None = None) -> None:
+        """One verify step that checked `num_draft` drafts and accepted the first `num_accepted`;
+        `proposer` (who drafted them) counts it in `by_proposer` too."""
         if num_draft == 0:
             return
+        if proposer is not None:
+            self.by_proposer.setdefault(proposer, SpecDecodeStats()).record(num_draft, num_accepted)
         self.num_drafts += 1
         self.num_draft_tokens += num_draft
         self.num_accepted_tokens += num_accepted
@@ -102,11 +108,14 @@ class SpecDecodeStats:
             _grow(mine, len(theirs))
             for index, count in enumerate(theirs):
                 mine[index] += count
+        for proposer, counts in other.by_proposer.items():
+            self.by_proposer.setdefault(proposer, SpecDecodeStats()).merge(counts)
 
     def copy(self) -> SpecDecodeStats:
         return SpecDecodeStats(self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens,
                                list(self.accepted_per_position), list(self.acceptance_histogram),
-                               _copied(self.per_step_accepted), _copied(self.per_step_drafted))
+                               _copied(self.per_step_accepted), _copied(self.per_step_drafted),
+                               {proposer: counts.copy() for proposer, counts in self.by_proposer.items()})
 
     def as_dict(self) -> dict:
         return {
@@ -114,6 +123,7 @@ class SpecDecodeStats:
             "num_accepted_tokens": self.num_accepted_tokens,
             "accepted_per_position": list(self.accepted_per_position),
             "mean_acceptance_length": self.mean_acceptance_length,
+            "by_proposer": {proposer: counts.as_dict() for proposer, counts in self.by_proposer.items()},
         }
 
 

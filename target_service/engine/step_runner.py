@@ -21,6 +21,7 @@ class LaunchedStep(Protocol):
     verified: list[int]  # drafts verified per decode, in plan order
     max_accepted: list[int] | None  # ... of which may count; None: decided on the device (a step ahead)
     failed: dict[int, Exception]  # seq_id -> why that sequence's own part of the step failed
+    proposers: list[str | None]  # per decode: who drafted ("dflash", "ngram"); None: no drafts
 
 
 @dataclass(frozen=True)

@@ -1,20 +1,26 @@
 """HybridProposer: per sequence and step, the DFlash drafter's block or the prompt lookup's continuation.
 
 Each wins where the other loses: DFlash on text like its training data, the lookup where the target
-copies (its prompt, or itself). Every step the DFlash drafter drafts for all rows (its context must
-stay whole so it can take over at any step: the verify stores every accepted position's context
-whichever proposer drafted it); then, per sequence, the lookup's continuation replaces DFlash's
-block when the lookup matched at least `min_match` tokens and has lately done better.
+copies (its prompt, or itself). Each step, before anything is drafted, `choose_step` weighs the
+expected tokens per second of a step with the DFlash drafter (each row verifying the better of its
+two proposals) against one without it (every row on the lookup), from what each proposer is
+expected to get accepted (below) and what such steps have cost on this machine (`StepClock`). A step
+without the drafter skips it: that is where the lookup's speed comes from.
 
-"Lately better" is judged from what the sequence emitted. After a step, a sequence's new tokens are
-the accepted drafts plus the target's next token, so:
+The draft context stays whole whichever proposer drafted: the verify stores every accepted
+position's context (`store_context`, every step), so DFlash can take over at any step.
+
+"Expected accepted" is learned from what each sequence emitted. After a step, a sequence's new
+tokens are the accepted drafts plus the target's next token, so:
 - the proposer that drafted it accepted len(new) - 1 tokens;
 - the lookup, whose proposal is on the host every step, would have accepted its proposal's common
   prefix with the new tokens: exact when it drafted, and when DFlash drafted a lower bound (at most
   one more than DFlash's, as the tokens past DFlash's rejection are unknown), so the lookup takes
-  over only where it would have matched everything DFlash accepted and the token after.
+  over a row only where it would have matched everything DFlash accepted and the token after.
 Each score is a moving average over the sequence's steps (weight `RECENT` on the newest); DFlash's
-stands still while the lookup drafts. Ties go to DFlash.
+stands still while the lookup drafts. A sequence with no score yet borrows the moving average over
+all sequences (weight `RECENT_OVERALL`), and before anything was measured, K (optimism: a proposer
+never tried is tried). The lookup counts only where its match is at least `min_match` tokens long.
 
 All sequences still verify in one forward with one K (the uniform step): only the tokens differ.
 """
@@ -27,10 +33,13 @@ import torch
 
 from drafter_service.control import DraftControl
 from drafter_service.step_buffers import StepBuffers
+from target_service.proposers.hybrid_choice import RowOutlook, choose_step
 from target_service.proposers.ngram import NgramLookups
+from target_service.proposers.step_clock import StepClock
 from target_service.proposers.token_proposer import DFLASH, NGRAM, TokenProposer
 
-RECENT = 0.5  # the newest step's weight in a score
+RECENT = 0.5  # the newest step's weight in a sequence's score
+RECENT_OVERALL = 0.1  # ... in the score over all sequences
 
 
 @dataclass
@@ -48,8 +57,8 @@ class _Scores:
     dflash: float | None = None
 
 
-def _moving(score: float | None, value: float) -> float:
-    return value if score is None else (1 - RECENT) * score + RECENT * value
+def _moving(score: float | None, value: float, weight: float = RECENT) -> float:
+    return value if score is None else (1 - weight) * score + weight * value
 
 
 def _common_prefix(proposal: list[int], emitted: list[int]) -> int:
@@ -61,13 +70,15 @@ class HybridProposer(TokenProposer):
     stores_context = True  # the DFlash drafter's, whole, whichever proposer drafted
 
     def __init__(self, dflash: DraftControl, step_buffers: StepBuffers, *, min_ngram: int = 1,
-                 max_ngram: int = 3, min_match: int = 2):
+                 max_ngram: int = 3, min_match: int = 2, clock: StepClock | None = None):
         super().__init__(step_buffers, block_size=dflash.block_size)
         if not 1 <= min_match <= max_ngram:
             raise ValueError(f"need 1 <= min_match <= max_ngram; got {min_match}, {max_ngram}")
         self.dflash = dflash
         self.lookups = NgramLookups(min_ngram=min_ngram, max_ngram=max_ngram)
         self.min_match = min_match
+        self.clock = clock or StepClock()
+        self.overall = _Scores()
         self._drafted: dict[int, _Drafted] = {}
         self._scores: dict[int, _Scores] = {}
 
@@ -80,25 +91,36 @@ class HybridProposer(TokenProposer):
     def propose(self, num_seqs: int, num_draft: int, num_block_cols: int) -> None:
         seqs = self.staged[:num_seqs]
         self._learn(seqs)
-        self.dflash.propose(num_seqs, num_draft, num_block_cols)
-        matches = self.lookups.propose(seqs, num_draft)
-        sources, chosen_rows, chosen_tokens = [], [], []
-        for row, (seq, match) in enumerate(zip(seqs, matches)):
-            scores = self._scores.setdefault(seq.seq_id, _Scores())
-            use_lookup = (match.ngram >= self.min_match and scores.lookup is not None
-                          and (scores.dflash is None or scores.lookup > scores.dflash))
-            sources.append(NGRAM if use_lookup else DFLASH)
-            if use_lookup:
-                chosen_rows.append(row)
-                chosen_tokens.append(match.tokens)
-            self._drafted[seq.seq_id] = _Drafted(sources[-1], seq.num_computed + 1, match.tokens)
-        if chosen_rows:
-            buffers = self.step_buffers.draft_tokens
-            rows = torch.tensor(chosen_rows, dtype=torch.int64, device=buffers.device)
-            buffers[rows, :num_draft] = torch.tensor(chosen_tokens, dtype=buffers.dtype).to(buffers.device)
-        self.sources = sources
         live = {seq.seq_id for seq in seqs}
         self._scores = {seq_id: score for seq_id, score in self._scores.items() if seq_id in live}
+        matches = self.lookups.propose(seqs, num_draft)
+        outlooks = [self._outlook(seq, match, num_draft) for seq, match in zip(seqs, matches)]
+        times = self.clock.estimate(num_seqs, True), self.clock.estimate(num_seqs, False)
+        choice = choose_step(outlooks, *times)
+        self.clock.step_begins(num_seqs, choice.run_drafter)
+        if choice.run_drafter:
+            self.dflash.propose(num_seqs, num_draft, num_block_cols)
+        lookup_rows = set(choice.lookup_rows)
+        self.sources = [NGRAM if row in lookup_rows else DFLASH for row in range(num_seqs)]
+        for seq, source, match in zip(seqs, self.sources, matches):
+            self._drafted[seq.seq_id] = _Drafted(source, seq.num_computed + 1, match.tokens)
+        if lookup_rows:
+            self._write(sorted(lookup_rows), [matches[row].tokens for row in sorted(lookup_rows)], num_draft)
+
+    def _outlook(self, seq, match, num_draft: int) -> RowOutlook:
+        scores = self._scores.get(seq.seq_id, _Scores())
+        dflash = _first_known(scores.dflash, self.overall.dflash, num_draft)
+        if match.ngram < self.min_match:
+            return RowOutlook(dflash, None)
+        return RowOutlook(dflash, _first_known(scores.lookup, self.overall.lookup, num_draft))
+
+    def _write(self, rows: list[int], tokens: list[list[int]], num_draft: int) -> None:
+        buffers = self.step_buffers.draft_tokens
+        if rows == list(range(len(rows))):  # the common case: one copy, no index
+            buffers[: len(rows), :num_draft].copy_(torch.tensor(tokens, dtype=buffers.dtype))
+            return
+        index = torch.tensor(rows, dtype=torch.int64, device=buffers.device)
+        buffers[index, :num_draft] = torch.tensor(tokens, dtype=buffers.dtype).to(buffers.device)
 
     def _learn(self, seqs) -> None:
         """Score last step's proposals against what each sequence emitted since."""
@@ -109,7 +131,14 @@ class HybridProposer(TokenProposer):
                 continue
             emitted = seq.token_ids[drafted.length:length]
             scores = self._scores.setdefault(seq.seq_id, _Scores())
-            scores.lookup = _moving(scores.lookup, _common_prefix(drafted.lookup, emitted))
+            lookup = _common_prefix(drafted.lookup, emitted)
+            scores.lookup = _moving(scores.lookup, lookup)
+            self.overall.lookup = _moving(self.overall.lookup, lookup, RECENT_OVERALL)
             if drafted.source == DFLASH:
                 scores.dflash = _moving(scores.dflash, len(emitted) - 1)
+                self.overall.dflash = _moving(self.overall.dflash, len(emitted) - 1, RECENT_OVERALL)
         self._drafted = {}  # a sequence that does not draft this step starts over when it does
+
+
+def _first_known(*values: float | None) -> float:
+    return next(value for value in values if value is not None)

@@ -10,8 +10,8 @@ target's (greedy bit-equal, sampling unchanged).
 Reading host tokens means a step cannot be launched from the device results of the step before it
 (those tokens are not on the host yet): an engine with a token proposer schedules step by step.
 
-After `propose`, `sources` names the proposer of each staged row, in order (what the proposer
-benchmark and the tests read; the engine does not count per proposer yet).
+After `propose`, `sources` names the proposer of each staged row, in order: the engine counts each
+step's drafts and acceptance under it (`SpecDecodeStats.by_proposer`).
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ from target_service.engine.draft_budget import DraftBudget
 from target_service.engine.scheduler_output import DecodeWork, SchedulerOutput
 from target_service.engine.sequence import Sequence
 from target_service.engine.step_runner import StepTokens
-from target_service.proposers.token_proposer import TokenProposer
+from target_service.proposers.token_proposer import DFLASH, TokenProposer
 from target_service.runner.context_rows import SeqTaps, select_context_rows
 from target_service.runner.cuda_graphs import GraphKey, TargetGraphs
 from target_service.runner.forward_batch import ForwardBatch, pack
@@ -59,6 +59,7 @@ class LaunchedStep:
     readback: HostReadback  # targets then accepted, on their way to the host
     failed: dict[int, Exception] = field(default_factory=dict)  # seq_id -> why its sampling failed
     logprobs: StepLogprobs | None = None  # the asking requests' logprobs, on their way; None: nobody asked
+    proposers: list[str | None] = field(default_factory=list)  # per decode: who drafted (None: no drafts)
 
 
 class ModelRunner:
@@ -110,13 +111,13 @@ class ModelRunner:
 
     def launch(self, plan: SchedulerOutput) -> LaunchedStep:
         """Queue the step `plan` schedules: its drafts, forward, verification and context store."""
-        verified = self._propose(plan)
+        verified, proposers = self._propose(plan)
         max_accepted = [min(work.max_accepted, count) for work, count in zip(plan.decodes, verified)]
         chunks, rows, index = scheduled_layout(plan, verified, max_accepted, taps=self._taps,
                                                width=self._draft_width())
         batch = pack(chunks, self.tokens_per_block, self.device)
         verify = index.to_device(self.device) if index.num_draft_tokens else None
-        return self._launch(plan, verified, max_accepted, rows, batch, verify)
+        return self._launch(plan, verified, max_accepted, rows, batch, verify, proposers)
 
     def launch_after(self, current: LaunchedStep, plan: SchedulerOutput) -> LaunchedStep | None:
         """Queue `plan`, the step after `current` (`Scheduler.schedule_ahead`), from `current`'s device
@@ -146,7 +147,8 @@ class ModelRunner:
         batch = uniform_decode_batch(bonus, starts, table, num_verified, self.tokens_per_block, taps)
         rows, index = uniform_layout(seqs, num_verified, taps=taps, width=self._draft_width())
         verify = replace(index.to_device(self.device), max_accepted=max_accepted) if num_verified else None
-        return self._launch(plan, [num_verified] * len(seqs), None, rows, batch, verify)
+        proposers = [DFLASH if num_verified else None] * len(seqs)
+        return self._launch(plan, [num_verified] * len(seqs), None, rows, batch, verify, proposers)
 
     def read(self, launched: LaunchedStep) -> StepTokens:
         """Wait for a launched step's tokens and accepted lengths (one read; a second for the
@@ -168,7 +170,8 @@ class ModelRunner:
             prompt_logprobs=per_seq(prefills, "prompt"))
 
     def _launch(self, plan: SchedulerOutput, verified: list[int], max_accepted: list[int] | None,
-                rows: dict[int, Rows], batch: ForwardBatch, verify: DeviceDraftIndex | None) -> LaunchedStep:
+                rows: dict[int, Rows], batch: ForwardBatch, verify: DeviceDraftIndex | None,
+                proposers: list[str | None]) -> LaunchedStep:
         """Queue a planned step's forward, its verification (None: no drafts) and its context store;
         start the read."""
         drafts = verify.place_drafts(self.step_buffers.draft_tokens, batch.input_ids) if verify else None
@@ -179,17 +182,19 @@ class ModelRunner:
         logprob_rows = plan_logprob_rows(plan, rows)  # outside any graph: from the logits it returned
         logprobs = gather_logprobs(output.logits, targets, logprob_rows) if logprob_rows else None
         self._store_context(batch, output.taps, plan, rows, accepted)
-        return LaunchedStep(plan, verified, max_accepted, rows, targets, accepted, readback, failed, logprobs)
+        return LaunchedStep(plan, verified, max_accepted, rows, targets, accepted, readback, failed, logprobs,
+                            proposers)
 
     # ---- the drafter ------------------------------------------------------------------------------
 
-    def _propose(self, plan: SchedulerOutput) -> list[int]:
+    def _propose(self, plan: SchedulerOutput) -> tuple[list[int], list[str | None]]:
         """Drafts verified per decode (0 for none) from one drafter call (K = the largest asked for),
         left in the step buffers' draft_tokens in the order of the decodes that draft; all 0 when the
-        drafter is unavailable."""
+        drafter is unavailable. And who drafted each decode (None: it verifies nothing)."""
         drafting: list[DecodeWork] = [work for work in plan.decodes if work.num_verified > 0]
+        nothing = [0] * len(plan.decodes), [None] * len(plan.decodes)
         if self.drafter is None or not drafting:
-            return [0] * len(plan.decodes)
+            return nothing
         num_verified = max(work.num_verified for work in drafting)
         seqs = [work.seq for work in drafting]
         columns = self.step_buffers.stage_propose(
@@ -198,8 +203,11 @@ class ModelRunner:
         if isinstance(self.drafter, TokenProposer):
             self.drafter.stage_sequences(seqs)
         if not self._call_propose(len(seqs), num_verified, columns, plan.seqs):
-            return [0] * len(plan.decodes)
-        return [work.num_verified for work in plan.decodes]
+            return nothing
+        token_proposer = isinstance(self.drafter, TokenProposer)
+        names = iter(self.drafter.sources if token_proposer else [DFLASH] * len(seqs))
+        return ([work.num_verified for work in plan.decodes],
+                [next(names) if work.num_verified > 0 else None for work in plan.decodes])
 
     def _call_propose(self, num_seqs: int, num_draft: int, columns: int, scheduled: list[Sequence]) -> bool:
         """Ask the drafter for the staged rows' drafts; False (and `scheduled` go on plainly) when it

@@ -6,7 +6,8 @@ preemptions, the tokens of each engine step (`iteration_tokens_total`, a histogr
 engine's count of steps by tokens), and the four speculative-decoding counters (accepted tokens by
 draft `position`, every position of K present from the start). Only dflash-serve's, under `dflash:`:
 engine steps and those queued ahead (async scheduling), pool restarts the engine moved onto, each
-layer group's blocks, and the Triton kernels compiled before and after the engine was ready.
+layer group's blocks, the Triton kernels compiled before and after the engine was ready, and the
+speculative counters split by the `proposer` that drafted (`dflash`, `ngram`: a hybrid's share).
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ class EngineCollector:
         ):
             yield self._one(CounterMetricFamily, name, documentation, value)
         yield self._accepted_per_position(stats.accepted_per_position)
+        yield from self._by_proposer(stats.by_proposer)
         yield self._iteration_tokens(counters.iteration_tokens)
         yield from self._pool_blocks(pool)
         yield self._compilations()
@@ -74,6 +76,28 @@ class EngineCollector:
         for position in range(max(self.num_speculative_tokens, len(accepted))):
             family.add_metric([*values, str(position)], accepted[position] if position < len(accepted) else 0)
         return family
+
+    def _by_proposer(self, by_proposer: dict):
+        """vLLM's four speculative counters again, per proposer: they add up to the totals."""
+        values = list(self.labels.values())
+        for name, documentation, read in (
+            ("dflash:spec_decode_proposer_num_drafts", "Spec decoding drafts, by proposer",
+             lambda counts: counts.num_drafts),
+            ("dflash:spec_decode_proposer_num_draft_tokens", "Draft tokens, by proposer",
+             lambda counts: counts.num_draft_tokens),
+            ("dflash:spec_decode_proposer_num_accepted_tokens", "Accepted tokens, by proposer",
+             lambda counts: counts.num_accepted_tokens),
+        ):
+            family = self._family(CounterMetricFamily, name, documentation, ("proposer",))
+            for proposer, counts in sorted(by_proposer.items()):
+                family.add_metric([*values, proposer], read(counts))
+            yield family
+        family = self._family(CounterMetricFamily, "dflash:spec_decode_proposer_num_accepted_tokens_per_pos",
+                              "Accepted tokens per draft position, by proposer", ("proposer", "position"))
+        for proposer, counts in sorted(by_proposer.items()):
+            for position, accepted in enumerate(counts.accepted_per_position):
+                family.add_metric([*values, proposer, str(position)], accepted)
+        yield family
 
     def _iteration_tokens(self, steps_by_tokens: dict[int, int]):
         family = self._family(HistogramMetricFamily, "vllm:iteration_tokens_total",

@@ -26,6 +26,15 @@ SpecDecodeMetricsLevel = Literal["summary", "detailed"]
 SPEC_DECODE_METRICS_LEVELS: tuple[str, ...] = get_args(SpecDecodeMetricsLevel)  # the CLI's choices
 
 
+class ProposerAcceptance(BaseModel):
+    """The spec steps one proposer drafted (an extension: a hybrid server's split of the totals)."""
+
+    num_spec_steps: int
+    num_draft_tokens: int
+    num_accepted_draft_tokens: int
+    mean_acceptance_length: float
+
+
 class SpeculativeDecodingMetrics(BaseModel):
     """One request's acceptance, as vLLM names it."""
 
@@ -43,11 +52,13 @@ class SpeculativeDecodingMetrics(BaseModel):
         None, description="detailed only: the drafts each spec step accepted, in order")
     per_step_drafted: list[int] | None = Field(
         None, description="detailed only: the drafts each spec step verified, in order")
+    per_proposer: dict[str, ProposerAcceptance] | None = Field(
+        None, description="the same counts by who drafted (dflash, ngram): a hybrid's share of each")
 
     @model_serializer(mode="wrap")
     def _without_absent_steps(self, handler):
         data = handler(self)
-        for name in ("per_step_accepted", "per_step_drafted"):
+        for name in ("per_step_accepted", "per_step_drafted", "per_proposer"):
             if data.get(name) is None:
                 data.pop(name, None)
         return data
@@ -100,4 +111,11 @@ def speculative_decoding(stats: SpecDecodeStats, *, detailed: bool) -> Speculati
         # the engine kept them when the server asked (detailed); a summary leaves them out
         per_step_accepted=stats.per_step_accepted if detailed else None,
         per_step_drafted=stats.per_step_drafted if detailed else None,
+        per_proposer={
+            proposer: ProposerAcceptance(
+                num_spec_steps=counts.num_drafts, num_draft_tokens=counts.num_draft_tokens,
+                num_accepted_draft_tokens=counts.num_accepted_tokens,
+                mean_acceptance_length=counts.mean_acceptance_length)
+            for proposer, counts in sorted(stats.by_proposer.items())
+        } or None,
     )

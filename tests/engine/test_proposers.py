@@ -164,6 +164,52 @@ def test_hybrid_keeps_the_drafters_context_whole(tmp_path):
         assert recorded["hybrid"][key] == recorded["dflash"][key], key
 
 
+@pytest.mark.parametrize("method", ["dflash", "ngram", "hybrid"])
+def test_the_counters_per_proposer_are_the_steps_each_proposer_drafted(tmp_path, method):
+    """Each request's counters by proposer equal its per-step counts summed by who drafted each step
+    (as the proposer named its rows), and add up to its totals; the engine's are the requests' sum."""
+    target, drafter = make_pair(tmp_path)
+    prompts = repeating_prompts(3, 160) + random_prompts(2, 160)
+    llm = LLM(target, None if method == "ngram" else drafter, speculative_method=method,
+              num_speculative_tokens=5, **SETTINGS)
+    proposer, budget, drafted_by = llm.assembly.runner.drafter, llm.assembly.runner.draft_budget, {}
+    if method != "dflash":
+        propose = proposer.propose
+
+        def noting(num_seqs, num_draft, columns):
+            propose(num_seqs, num_draft, columns)
+            for seq, source in zip(proposer.staged, proposer.sources):
+                if budget.max_accepted(seq.num_computed, seq.num_remaining_tokens):  # else not a spec step
+                    drafted_by.setdefault(seq.request_id, []).append(source)
+        proposer.propose = noting
+    try:
+        params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, spec_decode_per_step=True)
+        results = llm.generate(prompts, params)
+        engine_stats = llm.stats
+    finally:
+        llm.close()
+    expected_total = {}
+    for result in results:
+        stats = result.spec_decode
+        sources = drafted_by.get(result.request_id, ["dflash"] * stats.num_drafts)
+        assert len(sources) == stats.num_drafts
+        expected = {}
+        for source, accepted, verified in zip(sources, stats.per_step_accepted, stats.per_step_drafted):
+            counts = expected.setdefault(source, [0, 0, 0])
+            counts[0], counts[1], counts[2] = counts[0] + 1, counts[1] + verified, counts[2] + accepted
+        got = {name: [c.num_drafts, c.num_draft_tokens, c.num_accepted_tokens]
+               for name, c in stats.by_proposer.items()}
+        assert got == expected
+        for name, counts in expected.items():
+            expected_total[name] = [a + b for a, b in zip(expected_total.get(name, [0, 0, 0]), counts)]
+    assert {name: [c.num_drafts, c.num_draft_tokens, c.num_accepted_tokens]
+            for name, c in engine_stats.by_proposer.items()} == expected_total
+    if method == "hybrid":
+        assert set(expected_total) == {"dflash", "ngram"}, "one proposer drafted all: it shows little"
+    else:
+        assert set(expected_total) == {method}
+
+
 @pytest.mark.parametrize("settings,message", [
     (dict(speculative_method="ngram", with_drafter=True), "takes no drafter"),
     (dict(speculative_method="hybrid"), "needs a drafter"),

@@ -262,3 +262,33 @@ def test_kernel_compilations_are_counted_by_phase(tmp_path, monkeypatch):
             assert value(table, "dflash:kernel_compilations_total", phase=name) == count
     engine.shutdown()
     llm.close()
+
+
+def test_the_proposer_series_split_the_speculative_counters_by_who_drafted(tmp_path):
+    """A hybrid engine: per proposer, the four counters are the engine's counts of that proposer, and
+    over the proposers they add up to vLLM's totals; the exposition stays valid."""
+    target, drafter = make_pair(tmp_path)
+    llm = LLM(target, drafter, speculative_method="hybrid", num_speculative_tokens=K, kv_cache_memory="4MiB",
+              tokens_per_block=TOKENS_PER_BLOCK, max_num_seqs=4, max_model_len=MAX_MODEL_LEN)
+    engine, metrics, meter = served(llm)
+    phrase = random_prompts(1, 160, low=4, high=7)[0]
+    prompts = [phrase * 5, *random_prompts(2, 160)]  # one the lookup can copy from, two it cannot
+    run(meter, [(p, SamplingParams(max_tokens=random.randint(16, 30), temperature=0, ignore_eos=True))
+                for p in prompts])
+    text = metrics.render().decode()
+    table, by_proposer = samples(text), llm.engine.stats.by_proposer
+    assert set(by_proposer) == {"dflash", "ngram"}
+    for series, read in (("num_drafts", "num_drafts"), ("num_draft_tokens", "num_draft_tokens"),
+                         ("num_accepted_tokens", "num_accepted_tokens")):
+        per = {name: value(table, f"dflash:spec_decode_proposer_{series}_total", proposer=name)
+               for name in by_proposer}
+        assert per == {name: getattr(counts, read) for name, counts in by_proposer.items()}
+        assert sum(per.values()) == value(table, f"vllm:spec_decode_{series}_total") > 0
+    for position in range(K):
+        name = "dflash:spec_decode_proposer_num_accepted_tokens_per_pos_total"
+        per = [value(table, name, proposer=p, position=str(position)) for p in by_proposer]
+        total = value(table, "vllm:spec_decode_num_accepted_tokens_per_pos_total", position=str(position))
+        assert sum(per) == total
+    engine.shutdown()
+    llm.close()
+    check_metrics(text)  # last: it skips where there is no promtool

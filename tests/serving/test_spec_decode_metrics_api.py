@@ -131,6 +131,10 @@ def test_detailed_stats_are_what_the_tokens_imply(served, rng):
         assert stats["draft_acceptance_rate"] == pytest.approx(sum(steps) / sum(drafted))
         assert stats["per_position_acceptance_rates"] == pytest.approx(
             [sum(a > i for a in steps) / len(steps) for i in range(k)])
+        dflash_steps = {"num_spec_steps": len(steps), "num_draft_tokens": sum(drafted),
+                        "num_accepted_draft_tokens": sum(steps),
+                        "mean_acceptance_length": stats["mean_acceptance_length"]}
+        assert stats["per_proposer"] == {"dflash": dflash_steps}  # the DFlash drafter drafted every step
         accepted_anywhere += sum(steps)
     assert accepted_anywhere > 0  # the demo drafter does predict code: the histogram has more than bin 0
 
@@ -196,7 +200,8 @@ def test_the_openapi_schema_describes_metrics_as_optional_and_the_steps_as_detai
         assert "metrics" in schemas[response]["properties"]
         assert "metrics" not in schemas[response].get("required", [])
     stats = schemas["SpeculativeDecodingMetrics"]
-    assert set(stats["properties"]) - set(stats["required"]) == {"per_step_accepted", "per_step_drafted"}
+    optional = {"per_step_accepted", "per_step_drafted", "per_proposer"}
+    assert set(stats["properties"]) - set(stats["required"]) == optional
 
 
 @pytest.mark.parametrize("level, body, per_step", [

@@ -1,0 +1,86 @@
+"""The hybrid's choice of a step against hand-computed tokens per second, and the step clock's
+intervals against a clock the test moves by hand."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from target_service.proposers.hybrid_choice import RowOutlook, StepChoice, choose_step
+from target_service.proposers.step_clock import WINDOW, StepClock, batch_bucket
+
+
+def test_each_row_takes_the_better_proposal_when_the_drafter_runs():
+    rows = [RowOutlook(3.0, 5.0), RowOutlook(4.0, 2.0), RowOutlook(2.0, None), RowOutlook(3.0, 3.0)]
+    # with: 6 + 5 + 3 + 4 = 18 tokens in 2 s = 9/s; without: 6 + 3 + 1 + 4 = 14 in 2 s = 7/s
+    assert choose_step(rows, 2.0, 2.0) == StepChoice(True, (0,))  # a tie (row 3) stays with DFlash
+
+
+def test_a_cheaper_step_without_the_drafter_wins_when_it_emits_more_per_second():
+    rows = [RowOutlook(4.0, 3.0), RowOutlook(4.0, 3.5)]
+    # with: 5 + 5 = 10 in 0.10 s = 100/s; without: 4 + 4.5 = 8.5 in 0.08 s = 106/s
+    assert choose_step(rows, 0.10, 0.08) == StepChoice(False, (0, 1))
+    # ... but not at 0.09 s: 8.5 / 0.09 = 94/s
+    assert choose_step(rows, 0.10, 0.09) == StepChoice(True, ())
+
+
+def test_random_steps_pick_the_larger_rate():
+    rng = random.Random()
+    for _ in range(200):
+        rows = [RowOutlook(rng.uniform(0, 7), rng.choice([None, rng.uniform(0, 7)]))
+                for _ in range(rng.randint(1, 8))]
+        time_with, time_without = rng.uniform(0.01, 0.2), rng.uniform(0.01, 0.2)
+        with_rate = sum(1 + max(r.dflash, r.lookup or 0) for r in rows) / time_with
+        without_rate = sum(1 + (r.lookup or 0) for r in rows) / time_without
+        choice = choose_step(rows, time_with, time_without)
+        assert choice.run_drafter == (with_rate >= without_rate)
+        if choice.run_drafter:
+            better = [i for i, r in enumerate(rows) if r.lookup is not None and r.lookup > r.dflash]
+            assert choice.lookup_rows == tuple(better)
+        else:
+            assert choice.lookup_rows == tuple(range(len(rows)))
+
+
+def test_before_the_times_are_known_the_lookup_is_tried_once_every_row_matches():
+    matched, unmatched = [RowOutlook(6.0, 1.0)] * 2, [RowOutlook(6.0, 1.0), RowOutlook(6.0, None)]
+    assert choose_step(matched, None, None) == StepChoice(False, (0, 1))  # its time is measured once
+    assert choose_step(unmatched, None, None).run_drafter  # a row would have nothing to verify
+    assert choose_step(matched, None, 0.05).run_drafter  # and then the drafter's time is measured
+
+
+class HandClock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_clock_files_each_interval_under_the_step_it_ended():
+    hand = HandClock()
+    clock = StepClock(hand)
+    assert clock.estimate(3, True) is None
+    for seconds, drafter_runs in [(0.10, True), (0.04, False), (0.12, True), (0.05, False), (0.11, True)]:
+        clock.step_begins(3, drafter_runs)
+        hand.now += seconds
+    clock.step_begins(4, True)  # closes the last interval; 3 and 4 share a bucket
+    assert clock.estimate(4, True) == pytest.approx(0.11)  # the median of 0.10, 0.12, 0.11
+    assert clock.estimate(3, False) == pytest.approx(0.045)
+    assert clock.estimate(5, True) is None  # batches of 5-8 are another bucket
+
+
+def test_the_clock_keeps_a_window_so_an_idle_gap_moves_it_little():
+    hand = HandClock()
+    clock = StepClock(hand)
+    for seconds in [30.0] + [0.02] * (WINDOW + 1):
+        clock.step_begins(1, False)
+        hand.now += seconds
+    clock.step_begins(1, False)
+    assert clock.estimate(1, False) == pytest.approx(0.02)
+
+
+@pytest.mark.parametrize("num_seqs,bucket",
+                         [(0, 1), (1, 1), (2, 2), (3, 4), (4, 4), (5, 8), (32, 32), (33, 64)])
+def test_batch_buckets_are_powers_of_two(num_seqs, bucket):
+    assert batch_bucket(num_seqs) == bucket
