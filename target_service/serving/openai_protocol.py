@@ -141,7 +141,7 @@ class _SamplingRequest(BaseModel):
 
     # field -> the values that ask for nothing this server lacks (None always does)
     _no_op: ClassVar[dict[str, tuple]] = {"frequency_penalty": (0,), "presence_penalty": (0,),
-                                          "logit_bias": ({},)}
+                                          "repetition_penalty": (1,), "logit_bias": ({},)}
     # (field, a JSON schema of its value, the boolean field that must then be true): the validators'
     # cross-field rules, which the JSON schema states as if/then
     _implications: ClassVar[list[tuple[str, dict, str]]] = [("stream_options", {"type": "object"}, "stream")]
@@ -161,6 +161,7 @@ class _SamplingRequest(BaseModel):
     user: str | None = None  # accepted and ignored
     frequency_penalty: float | None = 0.0
     presence_penalty: float | None = 0.0
+    repetition_penalty: float | None = 1.0  # vLLM; `vllm bench serve` always sends 1.0
     logit_bias: dict[str, float] | None = None
     logprobs_mode: Literal["raw", "processed"] | None = None  # ours: which distribution logprobs are of
 

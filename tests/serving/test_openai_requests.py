@@ -91,7 +91,8 @@ def test_top_k_zero_or_null_is_off_as_in_vllm(body, expected):
 
 @pytest.mark.parametrize("no_op", [
     {"echo": False}, {"best_of": 1}, {"logprobs": None}, {"suffix": ""}, {"frequency_penalty": 0},
-    {"presence_penalty": 0.0}, {"logit_bias": {}}, {"user": "anyone"}, {"temperature": None},
+    {"presence_penalty": 0.0}, {"repetition_penalty": 1.0}, {"repetition_penalty": None}, {"logit_bias": {}},
+    {"user": "anyone"}, {"temperature": None},
 ])
 def test_fields_set_to_their_no_op_value_are_accepted(no_op):
     request = CompletionRequest.from_body({"prompt": "x", **no_op})
@@ -148,6 +149,7 @@ COMPLETION_REFUSALS = [
     ({"best_of": 3}, "best_of"),
     ({"suffix": "return x"}, "suffix"),
     ({"presence_penalty": 0.5}, "presence_penalty"),
+    ({"repetition_penalty": 1.2}, "repetition_penalty"),
     ({"logit_bias": {"50256": -100}}, "logit_bias"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),
     ({"stream": True, "stream_options": {"continuous": True}}, "stream_options.continuous"),
