@@ -30,6 +30,7 @@ from target_service.runner.checkpoint import load_target, open_target_checkpoint
 from target_service.runner.cuda_graphs import GraphKey, TargetGraphs
 from target_service.runner.memory_budget import device_kv_budget
 from target_service.runner.model_runner import ModelRunner
+from target_service.structured.vocabulary import GrammarVocabulary
 
 logger = logging.getLogger(__name__)
 
@@ -98,8 +99,12 @@ class TargetAssembler:
                               draft_budget=plan.draft_budget(),
                               max_prefill_tokens_with_decodes=plan.args.max_prefill_tokens_with_decodes)
         stop_checker = StopChecker(self.checkpoint.eos_token_ids, self.checkpoint.tokenizer)
+        tokenizer = self.checkpoint.tokenizer
+        grammars = (GrammarVocabulary(tokenizer, self.checkpoint.eos_token_ids, self.runner.vocab_size)
+                    if tokenizer is not None else None)
         engine = LLMEngine(self.runner, scheduler, limits=limits, stop_checker=stop_checker,
-                           async_scheduling=plan.async_scheduling, on_pool_lost=on_pool_lost)
+                           async_scheduling=plan.async_scheduling, on_pool_lost=on_pool_lost,
+                           grammars=grammars)
         WATCH.mark_ready()
         return engine
 

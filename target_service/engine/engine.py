@@ -36,6 +36,7 @@ from target_service.engine.scheduler_output import DecodeWork, PrefillChunk
 from target_service.engine.sequence import Sequence
 from target_service.engine.step_runner import LaunchedStep, StepRunner
 from target_service.engine.stop_checker import StopChecker
+from target_service.structured.vocabulary import GrammarVocabulary
 
 logger = logging.getLogger(__name__)
 
@@ -59,9 +60,12 @@ class EngineCounters:
 class LLMEngine:
     def __init__(self, runner: StepRunner, scheduler: Scheduler, *, limits: PoolLimits,
                  stop_checker: StopChecker, async_scheduling: bool = True,
-                 on_pool_lost: Callable[[Exception], None] | None = None):
+                 on_pool_lost: Callable[[Exception], None] | None = None,
+                 grammars: GrammarVocabulary | None = None):
         """on_pool_lost(error): called when a step finds the pool gone; it moves the engine onto the
-        restarted pool (`rebind_pool`) or raises. None: the error propagates."""
+        restarted pool (`rebind_pool`) or raises. None: the error propagates. grammars: compiles the
+        structured outputs of requests (None: a target without a tokenizer, which refuses them)."""
+        self._grammars = grammars
         self._runner = runner
         self._scheduler = scheduler
         self._limits = limits
@@ -89,12 +93,21 @@ class LLMEngine:
         generator = self._runner.make_generator(params.seed) if params.seed is not None else None
         spec_decode = SpecDecodeStats.for_request(self.num_speculative_tokens,
                                                   per_step=params.spec_decode_per_step)
+        structured = params.structured_outputs
+        constraint = self._grammars.constraint(structured) if structured is not None else None
         seq = Sequence(request_id, self._next_seq_id, list(prompt_token_ids), params, self._next_seq_id,
-                       generator, spec_decode=spec_decode)
+                       generator, spec_decode=spec_decode, constraint=constraint)
         self._next_seq_id += 1
         self._sequences[request_id] = seq
         self._scheduler.add(seq)
         return seq
+
+    def check_structured_outputs(self, params: SamplingParams) -> None:
+        """Refuse (ValueError, one line) structured outputs whose grammar does not compile."""
+        if self._grammars is None:
+            raise ValueError("structured outputs need the target's tokenizer (tokenizer.json); this target "
+                             "has none")
+        self._grammars.check(params.structured_outputs)
 
     def check_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Refuse, at submission, a request that could never run (not mid-flight).
@@ -103,6 +116,8 @@ class LLMEngine:
         capped by max_model_len) must fit the pool alone, or preemption could never make room.
         """
         count, vocab = len(prompt_token_ids), self._runner.vocab_size
+        if params.structured_outputs is not None:
+            self.check_structured_outputs(params)
         if count == 0:
             raise ValueError("the prompt is empty; at least one token is needed")
         bad = [token for token in prompt_token_ids if not 0 <= token < vocab]
@@ -340,9 +355,21 @@ class LLMEngine:
             if seq.output_logprobs is not None:
                 seq.output_logprobs.append(logprobs[i])
             reason = self._stop_checker.check(seq, self.max_model_len)
+            if seq.constraint is not None and not reason:
+                reason = _grammar_end(seq, token)
             if reason:
                 seq.finish_reason = reason
                 return
+
+
+def _grammar_end(seq: Sequence, token: int) -> str | None:
+    """A constrained request ends ("stop") once its grammar is complete, or where no token can continue
+    it (the masks then allow only end-of-sequence, which an ignore_eos request does not stop at)."""
+    if not seq.constraint.advance(token):
+        logger.warning("request %s: its grammar cannot go on after token %d; it stops there",
+                       seq.request_id, token)
+        return "stop"
+    return "stop" if seq.constraint.finished else None
 
 
 def _entry(per_sequence, index: int):

@@ -6,6 +6,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from target_service.structured.params import StructuredOutputsParams
+
 GREEDY_EPSILON = 1e-5
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # int64, as vLLM's API takes it
 MAX_LOGPROBS = 20  # most likely tokens returned beside each token (vLLM's default max_logprobs)
@@ -30,6 +32,10 @@ class SamplingParams(BaseModel):
     vLLM's `raw_logprobs`) is log_softmax of the target's logits; "processed" is the log of the
     distribution the sampler draws from (temperature, top-k and top-p applied; one-hot when greedy).
 
+    `structured_outputs` (vLLM's): a JSON schema, a regex, a choice or a grammar every output must
+    match (`StructuredOutputsParams`); the engine masks the target's choice at every verified
+    position, so speculation stays lossless with respect to constrained decoding.
+
     `spec_decode_per_step` (an extension, not an API field: the server sets it under
     `--per-request-spec-decode-metrics detailed`) keeps the request's accepted and verified counts of
     every verify step (`SpecDecodeStats.per_step_accepted`); without it a request keeps O(K) counters.
@@ -50,6 +56,7 @@ class SamplingParams(BaseModel):
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     logprobs_mode: Literal["raw", "processed"] = "raw"
     spec_decode_per_step: bool = False
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __init__(self, max_tokens: int = 16, **fields):
         super().__init__(max_tokens=max_tokens, **fields)

@@ -44,6 +44,7 @@ import torch
 
 from target_service.engine.outputs import SpecDecodeStats, TokenLogprob
 from target_service.engine.sampling_params import SamplingParams
+from target_service.structured.constraint import TokenConstraint
 
 
 class SequenceStatus(enum.Enum):
@@ -74,6 +75,7 @@ class Sequence:
     num_context: int = 0  # positions whose draft context the pool has been told is stored
     output_logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    constraint: TokenConstraint | None = None  # the grammar its output must match (structured outputs)
 
     def __post_init__(self):
         if self.params.logprobs is not None and self.output_logprobs is None:

@@ -34,6 +34,7 @@ from target_service.engine.scheduler_output import DecodeWork, SchedulerOutput
 from target_service.engine.sequence import Sequence
 from target_service.engine.step_runner import StepTokens
 from target_service.proposers.token_proposer import DFLASH, TokenProposer
+from target_service.runner.constrained_step import ConstrainedStep, mask_executor
 from target_service.runner.context_rows import SeqTaps, select_context_rows
 from target_service.runner.cuda_graphs import GraphKey, TargetGraphs
 from target_service.runner.forward_batch import ForwardBatch, pack
@@ -79,6 +80,7 @@ class ModelRunner:
         self.generator = torch.Generator(self.device)  # for sampled requests without a seed of their own
         self.generator.manual_seed(seed if seed is not None else torch.seed())
         self.num_steps_ahead = 0  # steps launched from the device results of the step before them
+        self._mask_executor = mask_executor()  # its threads start with the first constrained step
 
     @property
     def vocab_size(self) -> int:
@@ -124,8 +126,8 @@ class ModelRunner:
         results: its bonus tokens, starts and drafts that may count never reach the host. None when
         the drafter could not propose, or reads the host's tokens, which `current` has not delivered
         yet (the step is then scheduled as usual)."""
-        if isinstance(self.drafter, TokenProposer):
-            return None
+        if isinstance(self.drafter, TokenProposer) or any(seq.constraint is not None for seq in plan.seqs):
+            return None  # (a grammar advances by the tokens `current` emits, on the host)
         seqs = [work.seq for work in plan.decodes]
         num_verified = plan.decodes[0].num_verified
         logit_starts = [current.rows[seq.seq_id].logits.start for seq in seqs]
@@ -174,9 +176,11 @@ class ModelRunner:
                 proposers: list[str | None]) -> LaunchedStep:
         """Queue a planned step's forward, its verification (None: no drafts) and its context store;
         start the read."""
+        buffers = self.step_buffers.draft_tokens if self.step_buffers is not None else None
+        constrained = ConstrainedStep.begin(plan, verified, buffers, self._mask_executor)
         drafts = verify.place_drafts(self.step_buffers.draft_tokens, batch.input_ids) if verify else None
         output = self._forward(batch, plan, verified)
-        targets, failed = self._target_tokens(output.logits, plan.seqs, rows)
+        targets, failed = self._target_tokens(output.logits, plan.seqs, rows, constrained)
         accepted = verify.accepted_lengths(drafts, targets) if verify else None
         readback = HostReadback(targets if accepted is None else torch.cat([targets, accepted]))
         logprob_rows = plan_logprob_rows(plan, rows)  # outside any graph: from the logits it returned
@@ -272,11 +276,12 @@ class ModelRunner:
                     return output
         return self.target(batch, self.target_caches)
 
-    def _target_tokens(self, logits: torch.Tensor, scheduled: list[Sequence], rows: dict[int, Rows]
-                       ) -> tuple[torch.Tensor, dict[int, Exception]]:
+    def _target_tokens(self, logits: torch.Tensor, scheduled: list[Sequence], rows: dict[int, Rows],
+                       constrained: ConstrainedStep | None) -> tuple[torch.Tensor, dict[int, Exception]]:
         """The target's token at every logits row [R], on the device: argmax, and a sample in the
-        rows of each sampling request (its own generator, in the step's order); and the sequences
-        whose sampling failed (seq_id -> error), whose rows keep the argmax.
+        rows of each sampling request (its own generator, in the step's order), both from the logits
+        its grammar masks for a constrained request; and the sequences whose sampling failed
+        (seq_id -> error), whose rows keep the argmax.
 
         Sampling already runs one request at a time (each has its own parameters and generator), so
         the failing row is the sequence whose call raised: no batched op has to be taken apart.
@@ -289,10 +294,17 @@ class ModelRunner:
         failed: dict[int, Exception] = {}
         for seq in scheduled:
             logit_rows = rows[seq.seq_id].logits
+            if logit_rows.stop <= logit_rows.start:
+                continue
             try:
-                if not seq.params.greedy and logit_rows.stop > logit_rows.start:
+                own = logits[logit_rows]
+                masked = constrained.masked(seq.seq_id, own) if constrained is not None else None
+                own = own if masked is None else masked
+                if not seq.params.greedy:
                     generator = seq.generator if seq.generator is not None else self.generator
-                    tokens[logit_rows] = choose_tokens(logits[logit_rows], seq.params, generator)
+                    tokens[logit_rows] = choose_tokens(own, seq.params, generator)
+                elif masked is not None:
+                    tokens[logit_rows] = masked.argmax(dim=-1)
             except Exception as error:
                 if self._device_failed(error):
                     raise

@@ -1,0 +1,102 @@
+"""Structured outputs under speculation: greedy constrained output is the same token for token with
+the DFlash drafter, with the hybrid proposer and without any, and equals constrained greedy decoding
+done apart from the engine (HF transformers' logits, llguidance's own matcher); every output that
+stopped matches its spec by a check that does not use llguidance (json.loads + jsonschema, re); a
+constrained request beside unconstrained ones changes none of their tokens; a spec that does not
+compile is refused in one line before anything is queued."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from engine_helpers import random_prompts
+from grammar_helpers import SPECS, assert_matches, grammar_pair, reference_greedy
+
+from target_service.engine.sampling_params import SamplingParams
+from target_service.llm import LLM
+from target_service.structured.params import StructuredOutputsParams
+
+SETTINGS = dict(kv_cache_memory="4MiB", tokens_per_block=16, max_num_seqs=8, max_model_len=192)
+MAX_TOKENS = 40
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    return grammar_pair(tmp_path_factory.mktemp("grammar"))
+
+
+def engine(pair, method: str) -> LLM:
+    target, drafter = pair
+    if method == "plain":
+        return LLM(target, **SETTINGS)
+    return LLM(target, drafter, speculative_method=method, num_speculative_tokens=5, **SETTINGS)
+
+
+def constrained(spec, **fields) -> SamplingParams:
+    return SamplingParams(max_tokens=MAX_TOKENS, temperature=0, structured_outputs=spec, **fields)
+
+
+@pytest.mark.parametrize("kind", list(SPECS))
+def test_constrained_greedy_is_the_reference_with_and_without_speculation(pair, kind):
+    spec, prompts = SPECS[kind], random_prompts(3, 320, low=3, high=12)
+    expected = [reference_greedy(pair[0], prompt, spec, MAX_TOKENS) for prompt in prompts]
+    for method in ("plain", "dflash", "hybrid"):
+        llm = engine(pair, method)
+        try:
+            results = llm.generate(prompts, constrained(spec))
+            assert [r.outputs[0].token_ids for r in results] == expected, method
+            for result in results:
+                assert_matches(kind, result.outputs[0].text, result.outputs[0].finish_reason)
+            if method != "plain":
+                assert llm.stats.num_drafts > 0
+        finally:
+            llm.close()
+
+
+def test_a_constrained_request_leaves_its_batch_unchanged(pair):
+    prompts = random_prompts(4, 320, low=3, high=20)
+    free = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    llm = engine(pair, "dflash")
+    try:
+        alone = [r.outputs[0].token_ids for r in llm.generate(prompts, free)]
+        kinds = random.sample(list(SPECS), 2)
+        mixed = llm.generate(prompts + prompts[:2], [free] * 4 + [constrained(SPECS[k]) for k in kinds])
+        assert [r.outputs[0].token_ids for r in mixed[:4]] == alone
+        for kind, result in zip(kinds, mixed[4:]):
+            assert result.outputs[0].token_ids == reference_greedy(pair[0], prompts[kinds.index(kind)],
+                                                                   SPECS[kind], MAX_TOKENS)
+        usage = llm.engine.pool_usage()
+        assert usage.num_used_blocks == 0 and usage.num_seqs == 0
+    finally:
+        llm.close()
+
+
+@pytest.mark.parametrize("spec,message", [
+    (StructuredOutputsParams(regex="(["), "the regex does not compile"),
+    (StructuredOutputsParams(grammar="start: missing_rule"), "the grammar does not compile"),
+    (StructuredOutputsParams(json={"type": "no-such-type"}), "the json does not compile"),
+])
+def test_a_spec_that_does_not_compile_is_refused_before_anything_is_queued(pair, spec, message):
+    llm = engine(pair, "dflash")
+    try:
+        with pytest.raises(ValueError, match=message) as caught:
+            llm.engine.add_request("bad", [5, 6, 7], constrained(spec))
+        assert "\n" not in str(caught.value) and llm.engine.num_requests == 0
+        prompt = random_prompts(1, 320)[0]
+        answer = llm.generate([prompt], constrained(SPECS["choice"]))[0].outputs[0].text
+        assert answer in ("yes", "no", "maybe")
+    finally:
+        llm.close()
+
+
+@pytest.mark.parametrize("fields,message", [
+    (dict(regex="a", choice=["a"]), "exactly one of"),
+    (dict(), "exactly one of"),
+    (dict(choice=[]), "choice needs 1 to"),
+    (dict(regex="a" * 70_000), "at most 65536"),
+    (dict(json="{not json"), "json is not valid JSON"),
+])
+def test_bad_specs_are_refused_in_one_line(fields, message):
+    with pytest.raises(ValueError, match=message):
+        StructuredOutputsParams(**fields)
