@@ -55,6 +55,7 @@ from pydantic import (
 
 from target_service.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from target_service.serving.api_errors import ApiError
+from target_service.serving.structured_fields import StructuredOutputFields, structured_exclusions
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_N = 128
@@ -126,9 +127,10 @@ def _request_schema(schema: dict, model: type[_SamplingRequest]) -> None:
         {"if": {"properties": {name: condition}, "required": [name]},
          "then": {"properties": {needed: {"const": True}}, "required": [needed]}}
         for name, condition, needed in model._implications]
+    schema["allOf"] += structured_exclusions()
 
 
-class _SamplingRequest(BaseModel):
+class _SamplingRequest(StructuredOutputFields):
     """The fields both endpoints share, and the rule that turns them into `SamplingParams`.
 
     A null is the field's default. The ranges (max_tokens >= 1, temperature >= 0, 0 < top_p <= 1)
@@ -174,7 +176,7 @@ class _SamplingRequest(BaseModel):
         except ValidationError as error:
             raise ApiError.from_validation(error) from None
         requested = request._max_tokens_field()[1]
-        request._sampling_params(1 if requested is None else requested)
+        request._sampling_params(1 if requested is None else requested)  # also the structured spec's shape
         return request
 
     @field_validator("*")
@@ -260,7 +262,7 @@ class _SamplingRequest(BaseModel):
             "top_k": -1 if self.top_k in (None, 0) else self.top_k,
             "seed": self.seed, "stop": self.stop, "stop_token_ids": self.stop_token_ids,
             "ignore_eos": bool(self.ignore_eos), "logprobs_mode": self.logprobs_mode or "raw",
-            **self._logprob_fields(),
+            "structured_outputs": self.structured_spec(), **self._logprob_fields(),
         }
         try:
             return SamplingParams(**fields)

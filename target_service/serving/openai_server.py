@@ -156,7 +156,7 @@ class OpenAIServer:
         ]
 
     async def completion(self, request: CompletionRequest) -> CompletionResponse:
-        jobs = self._preflight(await self.completion_jobs(request))
+        jobs = await self._preflight(await self.completion_jobs(request), request.structured_field)
         results = await self._run_all(jobs)
         choices = [
             CompletionChoice(index=job.index, text=result.piece.text, logprobs=result.piece.logprobs,
@@ -171,7 +171,7 @@ class OpenAIServer:
         )
 
     async def chat(self, request: ChatCompletionRequest) -> ChatCompletionResponse:
-        jobs = self._preflight(await self.chat_jobs(request))
+        jobs = await self._preflight(await self.chat_jobs(request), request.structured_field)
         results = await self._run_all(jobs)
         choices = [
             ChatCompletionChoice(
@@ -188,11 +188,11 @@ class OpenAIServer:
     async def completion_stream(self, request: CompletionRequest) -> AsyncIterator[str]:
         """SSE events of a streamed completion. Everything that can refuse the request runs here,
         before the first event, so a refusal is an HTTP error status, not an event mid-stream."""
-        jobs = self._preflight(await self.completion_jobs(request))
+        jobs = await self._preflight(await self.completion_jobs(request), request.structured_field)
         return self.streams.completion(jobs, request.include_usage, request.continuous_usage)
 
     async def chat_stream(self, request: ChatCompletionRequest) -> AsyncIterator[str]:
-        jobs = self._preflight(await self.chat_jobs(request))
+        jobs = await self._preflight(await self.chat_jobs(request), request.structured_field)
         return self.streams.chat(jobs, request.include_usage, request.continuous_usage)
 
     # ---- running ----------------------------------------------------------------------------------
@@ -236,8 +236,9 @@ class OpenAIServer:
                                           add_special_tokens=add_special_tokens)
         return encoded[0].ids
 
-    def _preflight(self, jobs: list[Job]) -> list[Job]:
-        """Refuse now what would fail later: shutting down, a full queue, a prompt the pool cannot hold."""
+    async def _preflight(self, jobs: list[Job], structured_field: str | None) -> list[Job]:
+        """Refuse now what would fail later: shutting down, a full queue, a prompt the pool cannot hold,
+        a structured-output spec (from `structured_field`) that does not compile."""
         if self.draining:
             raise ApiError.unavailable(RETRY_AFTER_S, "the server is shutting down")
         if self.engine.num_waiting + len(jobs) > self.engine.max_waiting:
@@ -250,9 +251,13 @@ class OpenAIServer:
                 continue
             checked.add(id(job.prompt_token_ids))
             try:
-                self.engine.check(job.prompt_token_ids, job.params)
+                if job.params.structured_outputs is None:
+                    self.engine.check(job.prompt_token_ids, job.params)
+                else:  # compiling a grammar can take a while: off the event loop
+                    await asyncio.to_thread(self.engine.check, job.prompt_token_ids, job.params)
             except ValueError as error:
-                raise ApiError.bad_request(str(error), "prompt") from None
+                field = structured_field if str(error).startswith("structured outputs") else "prompt"
+                raise ApiError.bad_request(str(error), field) from None
         return jobs
 
     async def _run_one(self, job: Job) -> ChoiceResult:
