@@ -80,11 +80,15 @@ class ChatTemplate:
     eos_token: str | None
     template: jinja2.Template
 
-    def render(self, messages: Iterable[Mapping[str, str]], add_generation_prompt: bool = True) -> str:
-        """The prompt for `messages` (dicts or models with role and content); ChatTemplateError on
-        a refusal (the template's `raise_exception`) or any other render failure."""
+    def render(self, messages: Iterable[Mapping[str, str]], add_generation_prompt: bool = True,
+               tools: list[dict] | None = None) -> str:
+        """The prompt for `messages` (dicts or models with role and content), and `tools` (OpenAI's
+        tool definitions, for a template that renders them; None: none in scope, as transformers);
+        ChatTemplateError on a refusal (the template's `raise_exception`) or any other failure."""
         tokens = {key: value for key, value in (("bos_token", self.bos_token), ("eos_token", self.eos_token))
                   if value is not None}
+        if tools is not None:
+            tokens["tools"] = tools
         chat = [dict(message) for message in messages]
         try:
             prompt = self.template.render(messages=chat, add_generation_prompt=add_generation_prompt,

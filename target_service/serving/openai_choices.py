@@ -21,6 +21,7 @@ from target_service.serving.openai_responses import (
     CompletionLogprobs,
     TopLogprob,
 )
+from target_service.serving.tool_formats import ToolFormat
 
 LOWEST_LOGPROB = -9999.0
 
@@ -33,6 +34,7 @@ class ChoiceAsks:
     echo: bool = False  # completions: the prompt's text (and logprobs) first
     echo_only: bool = False  # ... and nothing generated (max_tokens 0): the engine's one token is dropped
     chat: bool = False  # ChatLogprobs rather than CompletionLogprobs
+    tools: ToolFormat | None = None  # chat with tools: calls in this format are read back
 
 
 class TokenTexts:

@@ -12,12 +12,13 @@ from typing import Literal
 from pydantic import BaseModel, Field, computed_field
 
 from target_service.serving.spec_decode_metrics import WithMetrics
+from target_service.serving.tool_protocol import ToolCall
 
 # The reasons a response names. "abort" (the request was cancelled) is vLLM's: the openai package's
 # types lack it, and its client, which does not validate by default, passes it through as a string.
 # The engine's "error" never reaches a choice: the server answers it with an error (500, or an error
 # event in a stream).
-FinishReason = Literal["stop", "length", "abort"] | None
+FinishReason = Literal["stop", "length", "abort", "tool_calls"] | None
 
 
 def random_id(prefix: str) -> str:
@@ -85,7 +86,8 @@ class CompletionStreamChunk(WithMetrics):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None  # null when the answer is tool calls alone
+    tool_calls: list[ToolCall] | None = None
 
 
 class TopLogprob(BaseModel):
@@ -127,11 +129,26 @@ class ChatCompletionResponse(WithMetrics):
     usage: UsageInfo
 
 
+class DeltaFunction(BaseModel):
+    name: str
+    arguments: str
+
+
+class DeltaToolCall(BaseModel):
+    """One whole call, streamed in one piece (name and all the arguments at once)."""
+
+    index: int  # the call's position among the choice's calls
+    id: str
+    type: Literal["function"] = "function"
+    function: DeltaFunction
+
+
 class DeltaMessage(BaseModel):
-    """A choice's increment: the first chunk carries role "assistant", later ones content."""
+    """A choice's increment: the first chunk carries role "assistant", later ones content, or calls."""
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatCompletionStreamChoice(BaseModel):

@@ -43,7 +43,6 @@ from target_service.serving.openai_jobs import (
 )
 from target_service.serving.openai_protocol import ChatCompletionRequest, CompletionRequest
 from target_service.serving.openai_responses import (
-    AssistantMessage,
     ChatCompletionChoice,
     ChatCompletionResponse,
     CompletionChoice,
@@ -55,6 +54,8 @@ from target_service.serving.openai_responses import (
 from target_service.serving.openai_streams import ChoiceStreams
 from target_service.serving.prompt_chars import max_prompt_chars
 from target_service.serving.spec_decode_metrics import SpecDecodeMetricsLevel, response_metrics
+from target_service.serving.tool_formats import assistant_message, model_type_of, tool_format
+from target_service.structured.params import StructuredOutputsParams
 
 DRAIN_POLL_S = 0.05
 STOP_GRACE_S = 2.0  # how long stopped requests get to send their answers
@@ -79,6 +80,7 @@ class OpenAIServer:
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.target_dir = Path(target_dir)
+        self.tool_format = tool_format(model_type_of(self.target_dir))
         self.api_key = api_key
         self.spec_decode_metrics = spec_decode_metrics
         self.draining = False
@@ -145,15 +147,23 @@ class OpenAIServer:
         self._check_choices(1, request.n or 1)
         try:
             messages = [message.for_template() for message in request.messages]
-            text = load_chat_template(self.target_dir).render(messages, request.add_generation_prompt)
+            text = load_chat_template(self.target_dir).render(messages, request.add_generation_prompt,
+                                                              tools=request.tools_for_template())
         except ValueError as error:
             raise ApiError.bad_request(str(error), "messages") from None
         ids = await self._encode(text, "messages", add_special_tokens=False)
-        asks = ChoiceAsks(request.num_logprobs, chat=True)
-        return [
-            Job(j, ids, params, asks)
-            for j, params in enumerate(self._sampling_params(request, len(ids), request.n or 1))
-        ]
+        tools = self.tool_format if request.uses_tools else None
+        asks = ChoiceAsks(request.num_logprobs, chat=True, tools=tools)
+        params = self._sampling_params(request, len(ids), request.n or 1)
+        forced = request.forced_functions
+        if forced is not None:  # required, or a named function: the calls are forced by a grammar
+            grammar = self.tool_format.grammar(forced, parallel=request.parallel_tool_calls is not False)
+            try:
+                spec = StructuredOutputsParams(grammar=grammar)
+            except ValueError as error:
+                raise ApiError.bad_request(f"tools: {error}", "tools") from None
+            params = [choice.model_copy(update={"structured_outputs": spec}) for choice in params]
+        return [Job(j, ids, choice, asks) for j, choice in enumerate(params)]
 
     async def completion(self, request: CompletionRequest) -> CompletionResponse:
         jobs = await self._preflight(await self.completion_jobs(request), request.structured_field)
@@ -171,15 +181,13 @@ class OpenAIServer:
         )
 
     async def chat(self, request: ChatCompletionRequest) -> ChatCompletionResponse:
-        jobs = await self._preflight(await self.chat_jobs(request), request.structured_field)
+        jobs = await self._preflight(await self.chat_jobs(request), request.grammar_field)
         results = await self._run_all(jobs)
-        choices = [
-            ChatCompletionChoice(
-                index=job.index, message=AssistantMessage(content=result.piece.text),
-                logprobs=result.piece.logprobs, finish_reason=result.finish_reason
-            )
-            for job, result in zip(jobs, results)
-        ]
+        choices = []
+        for job, result in zip(jobs, results):
+            message, reason = assistant_message(job.asks.tools, result.piece.text, result.finish_reason)
+            choices.append(ChatCompletionChoice(index=job.index, message=message,
+                                                logprobs=result.piece.logprobs, finish_reason=reason))
         return ChatCompletionResponse(
             model=self.model_name, choices=choices, usage=self._usage(jobs, results),
             metrics=self._metrics(results),
@@ -192,7 +200,7 @@ class OpenAIServer:
         return self.streams.completion(jobs, request.include_usage, request.continuous_usage)
 
     async def chat_stream(self, request: ChatCompletionRequest) -> AsyncIterator[str]:
-        jobs = await self._preflight(await self.chat_jobs(request), request.structured_field)
+        jobs = await self._preflight(await self.chat_jobs(request), request.grammar_field)
         return self.streams.chat(jobs, request.include_usage, request.continuous_usage)
 
     # ---- running ----------------------------------------------------------------------------------

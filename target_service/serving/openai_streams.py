@@ -34,12 +34,15 @@ from target_service.serving.openai_responses import (
     ChatCompletionStreamChunk,
     CompletionChoice,
     CompletionStreamChunk,
+    DeltaFunction,
     DeltaMessage,
+    DeltaToolCall,
     UsageInfo,
     random_id,
     sse_event,
 )
 from target_service.serving.spec_decode_metrics import SpecDecodeMetricsLevel, response_metrics
+from target_service.serving.tool_formats import ToolCallSplitter
 
 logger = logging.getLogger(__name__)
 
@@ -85,8 +88,14 @@ class ChoiceStreams:
                 )
             )
 
+        splitters = {job.index: ToolCallSplitter(job.asks.tools) for job in jobs if job.asks.tools}
+
         def chunk(index, piece: Piece, reason):
-            delta = DeltaMessage(content=piece.text) if piece.text else DeltaMessage()
+            splitter = splitters.get(index)
+            if splitter is None:
+                delta = DeltaMessage(content=piece.text) if piece.text else DeltaMessage()
+            else:
+                delta, reason = tool_delta(splitter, piece.text, reason)
             return ChatCompletionStreamChunk(
                 id=stream_id,
                 created=created,
@@ -162,3 +171,16 @@ class ChoiceStreams:
         finally:  # the client left (or the stream ended): stop what still runs, which aborts it
             for task in tasks:
                 task.cancel()
+
+
+def tool_delta(splitter: ToolCallSplitter, text: str, reason: str | None) -> tuple[DeltaMessage, str | None]:
+    """A chat-with-tools chunk: the content the splitter lets go, the calls it completed (each whole,
+    numbered in the choice's order), and "tool_calls" for a choice that stopped with calls."""
+    content, calls = splitter.feed(text, final=reason is not None)
+    first = splitter.num_calls - len(calls)
+    deltas = [DeltaToolCall(index=first + i, id=call.id, function=DeltaFunction(name=call.name,
+                                                                                arguments=call.arguments))
+              for i, call in enumerate(calls)]
+    if reason == "stop" and splitter.num_calls:
+        reason = "tool_calls"
+    return DeltaMessage(content=content or None, tool_calls=deltas or None), reason

@@ -23,13 +23,27 @@ PARSER_LIMITS = dict(step_lexer_fuel=100_000, max_grammar_size=200_000)
 class GrammarVocabulary:
     def __init__(self, tokenizer, eos_token_ids, model_vocab_size: int):
         """tokenizer: a `tokenizers.Tokenizer`; eos_token_ids: what ends a request (a grammar that is
-        complete allows only these)."""
+        complete allows only these). llguidance reads the tokenizer at the first structured request
+        (an engine that never gets one never pays for it, and one whose tokenizer llguidance cannot
+        read, a word-level one without a decoder, still serves everything else)."""
         self.model_vocab_size = model_vocab_size
         self.eos_token_ids = sorted(eos_token_ids)
-        self.tokenizer = llguidance.LLTokenizer(tokenizer.to_str(), eos_token=self.eos_token_ids)
-        if self.tokenizer.vocab_size > model_vocab_size:
-            raise ValueError(f"the tokenizer has {self.tokenizer.vocab_size} tokens; the model's vocabulary "
-                             f"only {model_vocab_size}")
+        self._source = tokenizer
+        self._tokenizer = None
+
+    @property
+    def tokenizer(self) -> llguidance.LLTokenizer:
+        if self._tokenizer is None:
+            try:
+                tokenizer = llguidance.LLTokenizer(self._source.to_str(), eos_token=self.eos_token_ids)
+            except ValueError as error:
+                raise ValueError(f"structured outputs: this target's tokenizer cannot be read for grammars "
+                                 f"({_one_line(error)})") from None
+            if tokenizer.vocab_size > self.model_vocab_size:
+                raise ValueError(f"structured outputs: the tokenizer has {tokenizer.vocab_size} tokens, the "
+                                 f"model's vocabulary only {self.model_vocab_size}")
+            self._tokenizer = tokenizer
+        return self._tokenizer
 
     def compile(self, params: StructuredOutputsParams) -> str:
         """The spec's grammar, checked against this tokenizer; ValueError naming the spec's kind."""

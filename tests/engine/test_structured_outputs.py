@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from engine_helpers import random_prompts
+from engine_helpers import make_pair, random_prompts
 from grammar_helpers import SPECS, assert_matches, grammar_pair, reference_greedy
 
 from target_service.engine.sampling_params import SamplingParams
@@ -100,3 +100,18 @@ def test_a_spec_that_does_not_compile_is_refused_before_anything_is_queued(pair,
 def test_bad_specs_are_refused_in_one_line(fields, message):
     with pytest.raises(ValueError, match=message):
         StructuredOutputsParams(**fields)
+
+
+def test_a_tokenizer_grammars_cannot_read_refuses_structured_outputs_alone(tmp_path):
+    """A word-level tokenizer without a decoder: a constrained request is refused in one line, and the
+    engine serves everything else as before."""
+    target, _ = make_pair(tmp_path, tokenizer=True)
+    llm = LLM(target, **SETTINGS)
+    try:
+        with pytest.raises(ValueError, match="tokenizer cannot be read for grammars") as caught:
+            llm.generate([[5, 6, 7]], constrained(SPECS["regex"]))
+        assert "\n" not in str(caught.value) and llm.engine.num_requests == 0
+        free = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
+        assert len(free[0].outputs[0].token_ids) == 5
+    finally:
+        llm.close()

@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 
 KNOWN = {"$ref", "anyOf", "enum", "const", "type", "minimum", "maximum", "exclusiveMinimum",
          "exclusiveMaximum", "minLength", "maxLength", "items", "minItems", "maxItems", "properties",
-         "required", "additionalProperties", "title", "description", "default", "if", "then", "allOf"}
+         "required", "additionalProperties", "title", "description", "default", "if", "then", "allOf",
+         "pattern"}
 LONGEST_LIST = 4  # lists drawn are at most this long (or their minItems): bodies stay small and fast
 LONGEST_TEXT = 24
 
@@ -92,6 +93,8 @@ class SchemaBodies:
             low_int = None if low is None else math.floor(low) + 1 if exclusive else math.ceil(low)
             high_int = None if high is None else math.floor(high)
             return floats | st.integers(low_int, high_int)  # 1 is a number too
+        if kind == "string" and "pattern" in schema:
+            return st.from_regex(schema["pattern"], fullmatch=True)
         if kind == "string":
             return st.text(min_size=schema.get("minLength", 0),
                            max_size=min(schema.get("maxLength", LONGEST_TEXT), LONGEST_TEXT))
