@@ -30,7 +30,7 @@ run: setup  # the pool plan of a real geometry, then the server with the demo pa
 
 test: setup
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q -n 2 --dist loadgroup --durations 15 tests
+	$(BIN)/python -m pytest -q -n 2 --dist loadgroup --durations 40 tests
 
 lint: setup
 	$(BIN)/ruff check .

@@ -83,7 +83,7 @@ def test_no_specialised_argument_changes_class_within_a_launch_plan(tmp_path, mo
     try:
         seed = int(torch.randint(0, 2**31, ()).item())
         rng = random.Random(seed)
-        requests = varied_requests(rng, 8, vocab_size=llm.engine.vocab_size, max_prompt=90, max_tokens=16)
+        requests = varied_requests(rng, 6, vocab_size=llm.engine.vocab_size, max_prompt=90, max_tokens=12)
         drive(llm.engine, requests, rng)
         for length in (3, 70):  # alone, so both decode the same plan: one page of table, then five
             alone = VariedRequest(f"alone-{length}", list(range(3, 3 + length)),

@@ -173,7 +173,8 @@ CHAT_REFUSALS = [
     ({"messages": CHAT, "logprobs": True, "top_logprobs": -1}, "top_logprobs"),
     ({"messages": CHAT, "top_logprobs": 2}, "top_logprobs"),
     ({"messages": CHAT, "logprobs": False, "top_logprobs": 1}, "top_logprobs"),
-    ({"messages": CHAT, "tools": [{"type": "function"}]}, "tools"),
+    ({"messages": CHAT, "tools": [{"type": "function"}]}, "tools[0].function"),
+    ({"messages": CHAT, "tools": [{"type": "code_interpreter"}]}, "tools[0].type"),
     ({"messages": CHAT, "n": 0}, "n"),
 ]
 

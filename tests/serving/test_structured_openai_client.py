@@ -21,7 +21,7 @@ from target_service.serving.serve_args import ServeArgs
 
 ARGS = dict(admin_port=None, device="cpu", dtype="float32", max_model_len=512, kv_cache_memory="16MiB",
             max_num_seqs=8)
-SEEDS = 8
+SEEDS = 6
 MODEL = "dflash-demo"
 
 

@@ -33,6 +33,7 @@ class Launched:
     verified: list[int]
     max_accepted: list[int] | None
     failed: dict = field(default_factory=dict)
+    proposers: list = field(default_factory=list)  # who drafted: the fake names nobody
 
 
 class FakeRunner:
