@@ -26,6 +26,7 @@ import json
 import random
 import statistics
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -132,9 +133,10 @@ def libraries(tokenizer: Tokenizer, eos: int) -> list:
     return found
 
 
-def walk(library, schema: dict, steps: int, seed: int) -> dict:
-    """Compile, then `steps` tokens: each step's mask timed, the next token the first allowed one in
-    a seeded order (end-of-sequence last); then the whole walk rolled back."""
+def walk(library, schema: dict, steps: int, seed: int, eos: int) -> dict:
+    """Compile, then up to `steps` tokens: each step's mask timed, the next token the first allowed
+    one in a seeded order other than end-of-sequence (the walk ends where only that is left); then
+    the whole walk rolled back."""
     rng = random.Random(seed)
     started = time.perf_counter()
     matcher = library.matcher(schema)
@@ -144,7 +146,7 @@ def walk(library, schema: dict, steps: int, seed: int) -> dict:
         started = time.perf_counter()
         library.mask(matcher)
         mask_us.append((time.perf_counter() - started) * 1e6)
-        allowed = sorted(library.allowed(matcher))
+        allowed = sorted(library.allowed(matcher) - {eos})
         rng.shuffle(allowed)
         if not allowed:
             break
@@ -168,7 +170,7 @@ def mask_record(steps: int) -> list[dict]:
         for library in libraries(tokenizer, eos):
             for schema_name, schema in SCHEMAS.items():
                 rows.append({"vocabulary": vocab, "library": library.name, "schema": schema_name,
-                             **walk(library, schema, steps, seed=len(rows))})
+                             **walk(library, schema, steps, seed=len(rows), eos=eos)})
     return rows
 
 
@@ -256,7 +258,7 @@ def main(argv=None) -> None:
     record = {"masks": mask_record(args.mask_tokens), "engine": engine_record(args)}
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip()
-    record.update(command="python -m bench.bench_structured_outputs " + " ".join(argv or []),
+    record.update(command=" ".join(["python -m bench.bench_structured_outputs", *(argv or sys.argv[1:])]),
                   machine=client_machine(), commit=commit, date=datetime.date.today().isoformat(),
                   seconds=time.time() - started)
     args.out.write_text(report(record))

@@ -43,8 +43,11 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="module")
 def ray_machine():
     """Holds this machine's Ray tests one module at a time, across xdist workers too: two local Ray
-    clusters and their model replicas at once overload two cores past the tests' startup timeouts
-    (xdist_group alone does not keep a group on one worker with this pytest and xdist)."""
+    clusters and their model replicas at once overload two cores past the tests' startup timeouts.
+    `--dist loadgroup` keeps the "ray" group on one worker (with pytest below 9.2, which pyproject
+    pins: 9.2 stores node ids where xdist 3.8 cannot tag them, and the group's modules were then split
+    across the workers, each setting up its module's server once more); this lock still holds if
+    the group is ever split again."""
     import fcntl
     import tempfile
     from pathlib import Path
