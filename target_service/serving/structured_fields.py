@@ -23,7 +23,7 @@ MAX_CHOICE_CHARS = 200  # each choice; MAX_CHOICES of them stay within MAX_SPEC_
 
 
 class JsonSchemaFormat(BaseModel):
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
 
     name: str = Field("response", max_length=64)  # OpenAI requires it; nothing here reads it
     description: str | None = None
@@ -32,19 +32,19 @@ class JsonSchemaFormat(BaseModel):
 
 
 class TextFormat(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     type: Literal["text"]
 
 
 class JsonObjectFormat(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     type: Literal["json_object"]
 
 
 class JsonSchemaResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     type: Literal["json_schema"]
     json_schema: JsonSchemaFormat
@@ -59,7 +59,7 @@ Choices = Annotated[list[Annotated[str, Field(min_length=1, max_length=MAX_CHOIC
 
 
 class _OneSpec(BaseModel):
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
 
 
 class JsonSpec(_OneSpec):

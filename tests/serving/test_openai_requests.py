@@ -175,6 +175,10 @@ CHAT_REFUSALS = [
     ({"messages": CHAT, "logprobs": False, "top_logprobs": 1}, "top_logprobs"),
     ({"messages": CHAT, "tools": [{"type": "function"}]}, "tools[0].function"),
     ({"messages": CHAT, "tools": [{"type": "code_interpreter"}]}, "tools[0].type"),
+    ({"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f", "strict": 1}}]},
+     "tools[0].function.strict"),  # strict types in the tools too: 1 is no bool
+    ({"messages": CHAT,
+      "response_format": {"type": "json_schema", "json_schema": {"schema": {}, "strict": 0}}}, "response_format"),
     ({"messages": CHAT, "n": 0}, "n"),
 ]
 
