@@ -177,8 +177,8 @@ CHAT_REFUSALS = [
     ({"messages": CHAT, "tools": [{"type": "code_interpreter"}]}, "tools[0].type"),
     ({"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f", "strict": 1}}]},
      "tools[0].function.strict"),  # strict types in the tools too: 1 is no bool
-    ({"messages": CHAT,
-      "response_format": {"type": "json_schema", "json_schema": {"schema": {}, "strict": 0}}}, "response_format"),
+    ({"messages": CHAT, "response_format": {"type": "json_schema",
+                                            "json_schema": {"schema": {}, "strict": 0}}}, "response_format"),
     ({"messages": CHAT, "n": 0}, "n"),
 ]
 
