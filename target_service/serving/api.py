@@ -28,8 +28,9 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
 from target_service.serving.api_errors import ApiError, param_path
+from target_service.serving.chat_request import ChatCompletionRequest
 from target_service.serving.middleware import BodyLimit, Boundary, error_response
-from target_service.serving.openai_protocol import ChatCompletionRequest, CompletionRequest
+from target_service.serving.openai_protocol import CompletionRequest
 from target_service.serving.openai_responses import (
     SSE_DONE,
     ChatCompletionResponse,

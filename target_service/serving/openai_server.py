@@ -29,6 +29,7 @@ from pathlib import Path
 
 from target_service.engine.engine_client import EngineClient, EngineDead, QueueFull
 from target_service.serving.api_errors import ApiError
+from target_service.serving.chat_request import ChatCompletionRequest
 from target_service.serving.chat_template import load_chat_template
 from target_service.serving.in_flight import InFlight
 from target_service.serving.openai_choices import ChoiceAsks, TokenTexts, merge
@@ -41,7 +42,7 @@ from target_service.serving.openai_jobs import (
     num_generated,
     prompt_tokens,
 )
-from target_service.serving.openai_protocol import ChatCompletionRequest, CompletionRequest
+from target_service.serving.openai_protocol import CompletionRequest
 from target_service.serving.openai_responses import (
     ChatCompletionChoice,
     ChatCompletionResponse,

@@ -8,7 +8,8 @@ from pydantic import ValidationError
 
 from target_service.engine.sampling_params import SamplingParams
 from target_service.serving.api_errors import ApiError
-from target_service.serving.openai_protocol import ChatCompletionRequest, CompletionRequest
+from target_service.serving.chat_request import ChatCompletionRequest
+from target_service.serving.openai_protocol import CompletionRequest
 
 # ---- requests as the openai client sends them ---------------------------------------------------
 

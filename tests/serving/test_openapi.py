@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 from json_schema_strategy import SchemaBodies
 
 from target_service.serving.api_errors import ApiError
-from target_service.serving.openai_protocol import ChatCompletionRequest, CompletionRequest
+from target_service.serving.chat_request import ChatCompletionRequest
+from target_service.serving.openai_protocol import CompletionRequest
 from target_service.serving.openapi_schema import request_schemas
 
 ROUTES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest}

@@ -16,13 +16,13 @@ from hypothesis import strategies as st
 from target_service.assembly.demo import demo_target_path
 from target_service.runner.checkpoint import open_target_checkpoint
 from target_service.serving.api_errors import ApiError
+from target_service.serving.chat_request import ChatCompletionRequest
 from target_service.serving.openai_protocol import (
     MAX_N,
     MAX_PROMPTS,
     MAX_STOP_CHARS,
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
-    ChatCompletionRequest,
     CompletionRequest,
 )
 from target_service.serving.prompt_chars import max_prompt_chars
