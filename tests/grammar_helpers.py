@@ -24,6 +24,7 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength
                                            "age": {"type": "integer", "minimum": 0, "maximum": 120}},
           "required": ["name", "age"], "additionalProperties": False}
 LARK = 'start: "(" item (", " item)* ")"\nitem: /[a-c]/ | /[0-9]/'
+LARK_REGEX = r"\([a-c0-9](, [a-c0-9])*\)"  # LARK's language
 
 
 def write_byte_tokenizer(directory: Path, vocab_size: int) -> None:
@@ -55,20 +56,22 @@ SPECS = {
 }
 
 
-def assert_matches(kind: str, text: str, finish_reason: str) -> None:
-    """The output is what its spec asks for (checked here without llguidance), once it stopped."""
+def assert_matches(spec: StructuredOutputsParams, text: str, finish_reason: str,
+                   grammar_regex: str = LARK_REGEX) -> None:
+    """The output is what its spec asks for, checked here without llguidance (json + jsonschema, re),
+    once it stopped; a grammar's output against `grammar_regex`, the same language as a regex."""
     if finish_reason != "stop":
         return  # cut by max_tokens: a prefix, checked by the equality with the reference
-    if kind == "json":
-        jsonschema.validate(json.loads(text), SCHEMA)
-    elif kind == "json_object":
-        assert isinstance(json.loads(text), dict)
-    elif kind == "regex":
-        assert re.fullmatch(r"[0-9]{3}-[0-9]{4}", text), text
-    elif kind == "choice":
-        assert text in ("yes", "no", "maybe"), text
+    if spec.kind == "json":
+        jsonschema.validate(json.loads(text), spec.json_schema)
+    elif spec.kind == "json_object":
+        assert isinstance(json.loads(text), dict), text
+    elif spec.kind == "regex":
+        assert re.fullmatch(spec.regex, text), text
+    elif spec.kind == "choice":
+        assert text in spec.choice, text
     else:
-        assert re.fullmatch(r"\([a-c0-9](, [a-c0-9])*\)", text), text
+        assert re.fullmatch(grammar_regex, text), text
 
 
 def reference_greedy(target_dir, prompt: list[int], spec: StructuredOutputsParams, max_tokens: int

@@ -22,8 +22,15 @@ from target_service.structured.params import MAX_CHOICES, MAX_SPEC_CHARS, Struct
 MAX_CHOICE_CHARS = 200  # each choice; MAX_CHOICES of them stay within MAX_SPEC_CHARS written out
 
 
-class JsonSchemaFormat(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+class StrictPart(BaseModel):
+    """A part of a request, as strict as the request: unknown keys and coerced types (0 for false)
+    refused."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class JsonSchemaFormat(StrictPart):
+    model_config = ConfigDict(populate_by_name=True)
 
     name: str = Field("response", max_length=64)  # OpenAI requires it; nothing here reads it
     description: str | None = None
@@ -31,21 +38,15 @@ class JsonSchemaFormat(BaseModel):
     strict: bool | None = None  # the output always matches the schema here, strict or not
 
 
-class TextFormat(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
+class TextFormat(StrictPart):
     type: Literal["text"]
 
 
-class JsonObjectFormat(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
+class JsonObjectFormat(StrictPart):
     type: Literal["json_object"]
 
 
-class JsonSchemaResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
+class JsonSchemaResponseFormat(StrictPart):
     type: Literal["json_schema"]
     json_schema: JsonSchemaFormat
 
@@ -58,8 +59,8 @@ Choices = Annotated[list[Annotated[str, Field(min_length=1, max_length=MAX_CHOIC
                     Field(min_length=1, max_length=MAX_CHOICES)]
 
 
-class _OneSpec(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+class _OneSpec(StrictPart):
+    model_config = ConfigDict(populate_by_name=True)
 
 
 class JsonSpec(_OneSpec):

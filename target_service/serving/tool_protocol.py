@@ -18,51 +18,41 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
+
+from target_service.serving.structured_fields import StrictPart
 
 MAX_TOOLS = 128
 ToolName = Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
 
 
-class FunctionDefinition(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
+class FunctionDefinition(StrictPart):
     name: ToolName
     description: str | None = None
     parameters: dict[str, Any] | None = None  # a JSON schema of the arguments
     strict: bool | None = None  # forced calls always match the schema, strict or not
 
 
-class ToolDefinition(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
+class ToolDefinition(StrictPart):
     type: Literal["function"]
     function: FunctionDefinition
 
 
-class NamedFunction(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
+class NamedFunction(StrictPart):
     name: ToolName
 
 
-class NamedToolChoice(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
+class NamedToolChoice(StrictPart):
     type: Literal["function"]
     function: NamedFunction
 
 
-class FunctionCall(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
+class FunctionCall(StrictPart):
     name: str
     arguments: str  # JSON text
 
 
-class ToolCall(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
+class ToolCall(StrictPart):
     id: str
     type: Literal["function"] = "function"
     function: FunctionCall

@@ -47,7 +47,7 @@ def test_constrained_greedy_is_the_reference_with_and_without_speculation(pair, 
             results = llm.generate(prompts, constrained(spec))
             assert [r.outputs[0].token_ids for r in results] == expected, method
             for result in results:
-                assert_matches(kind, result.outputs[0].text, result.outputs[0].finish_reason)
+                assert_matches(spec, result.outputs[0].text, result.outputs[0].finish_reason)
             if method != "plain":
                 assert llm.stats.num_drafts > 0
         finally:

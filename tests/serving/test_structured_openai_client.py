@@ -13,14 +13,9 @@ from typing import Literal
 import openai
 import pytest
 from asgi_openai import client
+from demo_app import demo_app
 from pydantic import BaseModel, Field, ValidationError
 
-from target_service.serving.api import ServerHolder, create_app
-from target_service.serving.replica import Replica
-from target_service.serving.serve_args import ServeArgs
-
-ARGS = dict(admin_port=None, device="cpu", dtype="float32", max_model_len=512, kv_cache_memory="16MiB",
-            max_num_seqs=8)
 SEEDS = 6
 MODEL = "dflash-demo"
 
@@ -37,18 +32,10 @@ class GetWeather(BaseModel):
     days: int = Field(ge=1, le=7)
 
 
-def app_of(**args):
-    replica = Replica(ServeArgs(**{**ARGS, **args}))
-    holder = ServerHolder()
-    holder.install(replica.server)
-    return replica, create_app(holder)
-
-
 @pytest.fixture(scope="module")
 def served():
-    replica, app = app_of()
-    yield app
-    replica.close(0.0)
+    with demo_app() as (_, app):
+        yield app
 
 
 def ask(text: str) -> list[dict]:
@@ -101,8 +88,7 @@ def test_a_named_pydantic_tool_is_called_with_valid_arguments_every_time(served)
 
 
 def test_greedy_constrained_output_is_the_same_with_and_without_the_drafter(served):
-    replica, plain = app_of(drafter="none")
-    try:
+    with demo_app(drafter="none") as (_, plain):
         async def answer(app):
             result = await client(app).chat.completions.parse(
                 model=MODEL, messages=ask("import os\n\ndef walk(root):\n    "), response_format=Signature,
@@ -110,5 +96,3 @@ def test_greedy_constrained_output_is_the_same_with_and_without_the_drafter(serv
             return result.choices[0].message.content
 
         assert asyncio.run(answer(served)) == asyncio.run(answer(plain))
-    finally:
-        replica.close(0.0)

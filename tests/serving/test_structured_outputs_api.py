@@ -10,21 +10,17 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import re
 
 import httpx
-import jsonschema
 import pytest
+from demo_app import DEMO_ARGS, demo_app, post
+from grammar_helpers import assert_matches
 
 from target_service.engine.sampling_params import SamplingParams
 from target_service.llm import LLM
-from target_service.serving.api import ServerHolder, create_app
-from target_service.serving.replica import Replica
-from target_service.serving.serve_args import ServeArgs
 from target_service.structured.params import StructuredOutputsParams
 
-ARGS = dict(admin_port=None, device="cpu", dtype="float32", max_model_len=384, kv_cache_memory="16MiB",
-            max_num_seqs=8)
+ARGS = {**DEMO_ARGS, "max_model_len": 384}
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
                                            "count": {"type": "integer", "minimum": 0, "maximum": 999}},
           "required": ["name", "count"], "additionalProperties": False}
@@ -33,19 +29,8 @@ PROMPTS = ["def parse_args(argv):\n    ", "class Config:\n    ", "import json\n\
 
 @pytest.fixture(scope="module")
 def served():
-    replica = Replica(ServeArgs(**ARGS))
-    holder = ServerHolder()
-    holder.install(replica.server)
-    yield replica, create_app(holder)
-    replica.close(0.0)
-
-
-def post(app, path: str, body: dict) -> httpx.Response:
-    async def main():
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t",
-                                     timeout=120) as http:
-            return await http.post(path, json=body)
-    return asyncio.run(main())
+    with demo_app(**ARGS) as served:
+        yield served
 
 
 def streamed_text(app, path: str, body: dict) -> str:
@@ -88,21 +73,7 @@ CASES = {
 }
 
 
-def assert_matches(name: str, text: str, finish_reason: str) -> None:
-    """What stopped matches its spec (a choice cut by max_tokens is a prefix, left to the equality)."""
-    assert finish_reason in ("stop", "length")
-    if finish_reason == "length":
-        return
-    if name.endswith("json_schema"):
-        jsonschema.validate(json.loads(text), SCHEMA)
-    elif name.endswith("json_object"):
-        assert isinstance(json.loads(text), dict), text
-    elif name == "guided_regex":
-        assert re.fullmatch(r"[a-z]{2,6}-[0-9]{2}", text), text
-    elif name == "guided_choice":
-        assert text in ("alpha", "beta", "gamma"), text
-    else:
-        assert re.fullmatch(r"x = [0-9]{1,3}", text), text
+GRAMMAR_REGEX = r"x = [0-9]{1,3}"  # the structured_outputs grammar's language
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -113,7 +84,8 @@ def test_completions_match_their_spec_and_the_offline_engine(served, name):
     for prompt in PROMPTS:
         body = {"prompt": prompt, "max_tokens": 120, "temperature": 0, **fields}
         text, finish_reason = text_of(post(app, "/v1/completions", body), chat=False)
-        assert_matches(name, text, finish_reason)
+        assert finish_reason in ("stop", "length")
+        assert_matches(spec, text, finish_reason, GRAMMAR_REGEX)
         assert text == offline(prompt, spec, 120)
         assert streamed_text(app, "/v1/completions", body) == text
         stopped += finish_reason == "stop"
@@ -123,11 +95,12 @@ def test_completions_match_their_spec_and_the_offline_engine(served, name):
 @pytest.mark.parametrize("name", ["response_format json_schema", "guided_choice"])
 def test_chat_matches_its_spec_streamed_or_not(served, name):
     _, app = served
-    fields, _ = CASES[name]
+    fields, spec = CASES[name]
     body = {"messages": [{"role": "user", "content": random.choice(PROMPTS)}], "max_tokens": 120,
             "temperature": 0, **fields}
     text, finish_reason = text_of(post(app, "/v1/chat/completions", body), chat=True)
-    assert_matches(name, text, finish_reason)
+    assert finish_reason in ("stop", "length")
+    assert_matches(spec, text, finish_reason, GRAMMAR_REGEX)
     assert streamed_text(app, "/v1/chat/completions", body) == text
 
 

@@ -7,19 +7,14 @@ is a 400 naming it, before anything is queued."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 
 import httpx
 import jsonschema
 import pytest
+from demo_app import demo_app
+from demo_app import post as post_to
 
-from target_service.serving.api import ServerHolder, create_app
-from target_service.serving.replica import Replica
-from target_service.serving.serve_args import ServeArgs
-
-ARGS = dict(admin_port=None, device="cpu", dtype="float32", max_model_len=512, kv_cache_memory="16MiB",
-            max_num_seqs=8)
 WEATHER_ARGUMENTS = {"type": "object", "required": ["city", "days"], "additionalProperties": False,
                      "properties": {"city": {"type": "string", "maxLength": 16},
                                     "days": {"type": "integer", "minimum": 1, "maximum": 7}}}
@@ -33,19 +28,12 @@ ASK = [{"role": "user", "content": "def weather(city):\n    return "}]
 
 @pytest.fixture(scope="module")
 def served():
-    replica = Replica(ServeArgs(**ARGS))
-    holder = ServerHolder()
-    holder.install(replica.server)
-    yield replica, create_app(holder)
-    replica.close(0.0)
+    with demo_app() as served:
+        yield served
 
 
 def post(app, body: dict) -> httpx.Response:
-    async def main():
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t",
-                                     timeout=120) as http:
-            return await http.post("/v1/chat/completions", json=body)
-    return asyncio.run(main())
+    return post_to(app, "/v1/chat/completions", body)
 
 
 def streamed(app, body: dict) -> tuple[str, list[dict], str]:
