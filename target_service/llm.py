@@ -86,7 +86,7 @@ class LLM:
             return [self._result_output(prompt, ids, result)
                     for prompt, ids, result in zip(prompts, encoded, results)]
         for ids, p in zip(encoded, params):  # refuse the whole call before anything runs
-            self.engine.check_prompt(ids, p)
+            self.engine.check_request(ids, p)
         seqs = [self.engine.add_request(f"req-{next(self._ids)}", ids, p) for ids, p in zip(encoded, params)]
         while self.engine.has_unfinished:
             self.engine.step()

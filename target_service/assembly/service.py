@@ -282,7 +282,7 @@ class TargetService:
 
     def check(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Refuse (ValueError) a request that could never run, before anything runs."""
-        self._started_engine().check_prompt(prompt_token_ids, params)
+        self._started_engine().check_request(prompt_token_ids, params)
 
     def _started_engine(self) -> LLMEngine:
         if self.engine is None:

@@ -90,8 +90,10 @@ class AsyncEngine:
                               counters.num_steps, counters.num_steps_ahead)
 
     def check(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Refuse (ValueError) a request that could never run, before anything is queued."""
-        self.engine.check_prompt(prompt_token_ids, params)
+        """Refuse (ValueError) a request that could never run, before anything is queued: its prompt,
+        and a structured output's grammar, which can take a while to compile (call it off the event
+        loop for those)."""
+        self.engine.check_request(prompt_token_ids, params)
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
                        request_id: str | None = None) -> AsyncIterator[RequestDelta]:
@@ -100,7 +102,7 @@ class AsyncEngine:
             raise EngineDead("the engine is shutting down; it takes no new requests")
         if not self.is_healthy:
             raise EngineDead(f"the engine stopped: {self._error!r}")
-        self.check(prompt_token_ids, params)
+        self.engine.check_prompt(prompt_token_ids, params)  # a grammar is compiled by add_request
         request_id = request_id or f"req-{next(self._ids)}"
         with self._lock:
             if self.num_waiting >= self.max_waiting:

@@ -94,7 +94,7 @@ class LLMEngine:
         spec_decode = SpecDecodeStats.for_request(self.num_speculative_tokens,
                                                   per_step=params.spec_decode_per_step)
         structured = params.structured_outputs
-        constraint = self._grammars.constraint(structured) if structured is not None else None
+        constraint = self._grammar_vocabulary().constraint(structured) if structured is not None else None
         seq = Sequence(request_id, self._next_seq_id, list(prompt_token_ids), params, self._next_seq_id,
                        generator, spec_decode=spec_decode, constraint=constraint)
         self._next_seq_id += 1
@@ -102,12 +102,19 @@ class LLMEngine:
         self._scheduler.add(seq)
         return seq
 
-    def check_structured_outputs(self, params: SamplingParams) -> None:
-        """Refuse (ValueError, one line) structured outputs whose grammar does not compile."""
+    def _grammar_vocabulary(self) -> GrammarVocabulary:
         if self._grammars is None:
             raise ValueError("structured outputs need the target's tokenizer (tokenizer.json); this target "
                              "has none")
-        self._grammars.check(params.structured_outputs)
+        return self._grammars
+
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """`check_prompt`, and a structured output's grammar compiled against the tokenizer: all a
+        server refuses before it queues (ValueError, one line). `add_request` compiles the grammar
+        once itself, into the sequence's matcher."""
+        self.check_prompt(prompt_token_ids, params)
+        if params.structured_outputs is not None:
+            self._grammar_vocabulary().check(params.structured_outputs)
 
     def check_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Refuse, at submission, a request that could never run (not mid-flight).
@@ -116,8 +123,6 @@ class LLMEngine:
         capped by max_model_len) must fit the pool alone, or preemption could never make room.
         """
         count, vocab = len(prompt_token_ids), self._runner.vocab_size
-        if params.structured_outputs is not None:
-            self.check_structured_outputs(params)
         if count == 0:
             raise ValueError("the prompt is empty; at least one token is needed")
         bad = [token for token in prompt_token_ids if not 0 <= token < vocab]

@@ -50,12 +50,13 @@ class ConstrainedStep:
                  for seq in choosing if seq.constraint is not None}
         return cls(masks)
 
-    def masked(self, seq_id: int, logits: torch.Tensor) -> torch.Tensor | None:
-        """The sequence's logits rows with what its grammar forbids at -inf; None if unconstrained."""
-        future = self._masks.get(seq_id)
-        if future is None:
-            return None
-        allowed = future.result()[: logits.shape[0]].to(logits.device, non_blocking=True)
+    def masks(self, seq_id: int) -> bool:
+        """Whether the sequence's rows are masked this step."""
+        return seq_id in self._masks
+
+    def masked(self, seq_id: int, logits: torch.Tensor) -> torch.Tensor:
+        """The sequence's logits rows (`masks` true of it) with what its grammar forbids at -inf."""
+        allowed = self._masks[seq_id].result()[: logits.shape[0]].to(logits.device, non_blocking=True)
         return logits.masked_fill(~allowed, float("-inf"))
 
 

@@ -294,17 +294,16 @@ class ModelRunner:
         failed: dict[int, Exception] = {}
         for seq in scheduled:
             logit_rows = rows[seq.seq_id].logits
-            if logit_rows.stop <= logit_rows.start:
-                continue
+            masks = constrained is not None and constrained.masks(seq.seq_id)
+            if logit_rows.stop <= logit_rows.start or (seq.params.greedy and not masks):
+                continue  # the argmax stands: nothing to sample, nothing masked
             try:
-                own = logits[logit_rows]
-                masked = constrained.masked(seq.seq_id, own) if constrained is not None else None
-                own = own if masked is None else masked
-                if not seq.params.greedy:
+                own = constrained.masked(seq.seq_id, logits[logit_rows]) if masks else logits[logit_rows]
+                if seq.params.greedy:
+                    tokens[logit_rows] = own.argmax(dim=-1)
+                else:
                     generator = seq.generator if seq.generator is not None else self.generator
                     tokens[logit_rows] = choose_tokens(own, seq.params, generator)
-                elif masked is not None:
-                    tokens[logit_rows] = masked.argmax(dim=-1)
             except Exception as error:
                 if self._device_failed(error):
                     raise

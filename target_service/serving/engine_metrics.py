@@ -80,17 +80,13 @@ class EngineCollector:
     def _by_proposer(self, by_proposer: dict):
         """vLLM's four speculative counters again, per proposer: they add up to the totals."""
         values = list(self.labels.values())
-        for name, documentation, read in (
-            ("dflash:spec_decode_proposer_num_drafts", "Spec decoding drafts, by proposer",
-             lambda counts: counts.num_drafts),
-            ("dflash:spec_decode_proposer_num_draft_tokens", "Draft tokens, by proposer",
-             lambda counts: counts.num_draft_tokens),
-            ("dflash:spec_decode_proposer_num_accepted_tokens", "Accepted tokens, by proposer",
-             lambda counts: counts.num_accepted_tokens),
-        ):
+        for counter, documentation in (("num_drafts", "Spec decoding drafts, by proposer"),
+                                       ("num_draft_tokens", "Draft tokens, by proposer"),
+                                       ("num_accepted_tokens", "Accepted tokens, by proposer")):
+            name = f"dflash:spec_decode_proposer_{counter}"
             family = self._family(CounterMetricFamily, name, documentation, ("proposer",))
             for proposer, counts in sorted(by_proposer.items()):
-                family.add_metric([*values, proposer], read(counts))
+                family.add_metric([*values, proposer], getattr(counts, counter))
             yield family
         family = self._family(CounterMetricFamily, "dflash:spec_decode_proposer_num_accepted_tokens_per_pos",
                               "Accepted tokens per draft position, by proposer", ("proposer", "position"))

@@ -20,6 +20,8 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from target_service.serving.openai_responses import AssistantMessage
+from target_service.serving.tool_protocol import FunctionCall, ToolCall
 from target_service.structured.params import JSON_OPTIONS
 
 
@@ -84,7 +86,7 @@ class ToolCallSplitter:
         self.fmt = fmt
         self.pending = ""  # text not handed out yet
         self.num_calls = 0
-        self._started = False  # llama3_json: whether the output began as a call
+        self._whole = "undecided"  # llama3_json: "calls" (the output began as one) or "text" once seen
 
     def feed(self, text: str, *, final: bool) -> tuple[str, list[ParsedCall]]:
         """(content, calls) to hand out now for the new `text`; `final`: the output is complete."""
@@ -118,35 +120,28 @@ class ToolCallSplitter:
             self.pending = self.pending[stop:]
 
     def _feed_whole_output(self, final: bool) -> tuple[str, list[ParsedCall]]:
-        """llama3_json: an output that begins with "{" is held until it ends, then read as calls."""
-        if not self._started:
+        """llama3_json: an output that begins with "{" is held until it ends, then read as calls;
+        any other is content as it comes."""
+        if self._whole == "undecided":
             stripped = self.pending.lstrip()
             if not stripped and not final:
                 return "", []
-            if not stripped.startswith(self.fmt.opening):
-                self._started, content, self.pending = None, self.pending, ""
-                return content, []
-            self._started = True
-        if self._started is None:
-            content, self.pending = self.pending, ""
-            return content, []
-        if not final:
-            return "", []
-        calls = [self.fmt.parse_call(part) for part in _json_values(self.pending)]
-        if not calls or any(call is None for call in calls):
-            content, self.pending = self.pending, ""
-            return content, []
-        self.pending, self.num_calls = "", len(calls)
-        return "", calls
+            self._whole = "calls" if stripped.startswith(self.fmt.opening) else "text"
+        if self._whole == "text" or final:
+            text, self.pending = self.pending, ""
+            values = _json_values(text) if self._whole == "calls" else []
+            calls = [self.fmt.parse_call(part) for part in values]
+            if calls and all(call is not None for call in calls):
+                self.num_calls = len(calls)
+                return "", calls
+            return text, []
+        return "", []
 
 
 def assistant_message(fmt: ToolFormat | None, text: str, finish_reason: str | None):
     """(AssistantMessage, finish_reason) of a whole chat choice: with tools, its calls read out of
     the text (content null when nothing else was said) and finish_reason "tool_calls" for a choice
     that stopped with calls."""
-    from target_service.serving.openai_responses import AssistantMessage
-    from target_service.serving.tool_protocol import FunctionCall, ToolCall
-
     if fmt is None:
         return AssistantMessage(content=text), finish_reason
     content, calls = ToolCallSplitter(fmt).feed(text, final=True)

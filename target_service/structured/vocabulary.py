@@ -45,29 +45,27 @@ class GrammarVocabulary:
             self._tokenizer = tokenizer
         return self._tokenizer
 
-    def compile(self, params: StructuredOutputsParams) -> str:
-        """The spec's grammar, checked against this tokenizer; ValueError naming the spec's kind."""
+    def check(self, params: StructuredOutputsParams) -> None:
+        """Refuse a spec whose grammar does not compile against this tokenizer (ValueError naming
+        the spec's kind), before anything is queued."""
+        self._matcher(params)
+
+    def constraint(self, params: StructuredOutputsParams) -> TokenConstraint:
+        return TokenConstraint(self._matcher(params), self.model_vocab_size, self.eos_token_ids)
+
+    def _matcher(self, params: StructuredOutputsParams) -> llguidance.LLMatcher:
+        """The spec compiled into a matcher at its start: building it is the compile, and its error
+        state is the verdict (llguidance's constructor never raises on a bad grammar)."""
         try:
             grammar = params.grammar_text()
         except ValueError as error:
             raise ValueError(f"structured outputs: the {params.kind} is not valid: "
                              f"{_one_line(error)}") from None
-        failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
-            grammar, self.tokenizer, limits=_limits())
-        if failed:
-            raise ValueError(f"structured outputs: the {params.kind} does not compile: "
-                             f"{_one_line(messages[0])}")
-        return grammar
-
-    def check(self, params: StructuredOutputsParams) -> None:
-        self.compile(params)
-
-    def constraint(self, params: StructuredOutputsParams) -> TokenConstraint:
-        matcher = llguidance.LLMatcher(self.tokenizer, self.compile(params), log_level=0, limits=_limits())
+        matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0, limits=_limits())
         if matcher.is_error():
             raise ValueError(f"structured outputs: the {params.kind} does not compile: "
                              f"{_one_line(matcher.get_error())}")
-        return TokenConstraint(matcher, self.model_vocab_size, self.eos_token_ids)
+        return matcher
 
 
 def _limits() -> llguidance.LLParserLimits:
