@@ -22,7 +22,7 @@ def repeat_prompts(tokenizer, documents, count: int, rng: random.Random) -> list
     for doc in rng.sample(documents, len(documents)):
         lines = doc.text.splitlines(keepends=True)
         for start in rng.sample(range(len(lines)), min(len(lines), 20)):
-            group = ""
+            group, length = "", 0  # a group that starts on a blank line is empty
             for line in lines[start:start + 6]:
                 if not line.strip():
                     break
