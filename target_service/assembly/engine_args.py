@@ -13,7 +13,8 @@ from foundation.device_name import check_device_name
 from foundation.validation_error import InvalidSetting
 
 # No cap by default: on the H200 (Qwen3-8B shapes, 6 target layers) a cap of 512 made a varied
-# workload 24% slower end to end with no shorter longest step (bench/results/compile_probe_h200_after.json);
+# workload 24% slower end to end with no shorter longest step (bench/results/compile_probe_h200.json,
+# its "after" entry);
 # what it does at 36 layers, where a 2,048-token chunk costs six times more, is not measured yet.
 DEFAULT_PREFILL_WITH_DECODES = None
 
