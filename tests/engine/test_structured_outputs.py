@@ -11,7 +11,7 @@ import random
 
 import pytest
 from engine_helpers import make_pair, random_prompts
-from grammar_helpers import SPECS, assert_matches, grammar_pair, reference_greedy
+from grammar_helpers import CORPUS, SPECS, assert_matches, grammar_pair, reference_greedy
 
 from target_service.engine.sampling_params import SamplingParams
 from target_service.llm import LLM
@@ -113,5 +113,47 @@ def test_a_tokenizer_grammars_cannot_read_refuses_structured_outputs_alone(tmp_p
         assert "\n" not in str(caught.value) and llm.engine.num_requests == 0
         free = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
         assert len(free[0].outputs[0].token_ids) == 5
+    finally:
+        llm.close()
+
+
+def write_ascii_tokenizer(directory, vocab_size: int) -> None:
+    """A byte-level BPE trained on the (ASCII) corpus without the full byte alphabet: no token holds
+    a byte above 0x7F, so no output can contain a non-ASCII character."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<unk>", "<s>", "</s>"],
+                                  show_progress=False)
+    tokenizer.train_from_iterator(CORPUS * 20, trainer)
+    assert all(ord(char) < 0x80 for char in tokenizer.decode(list(range(3, tokenizer.get_vocab_size()))))
+    tokenizer.save(str(directory / "tokenizer.json"))
+
+
+@pytest.mark.parametrize("ignore_eos", [False, True])
+def test_a_grammar_no_token_can_continue_ends_its_request_with_stop_and_the_batch_serves_on(tmp_path,
+                                                                                          ignore_eos):
+    """No token of this tokenizer holds a byte above 0x7F, so the grammar `abÀ` cannot be completed:
+    once no token can continue it, the mask allows only end-of-sequence, and the request ends there
+    with "stop" (with ignore_eos too: it cannot go on), the rest of its batch untouched and the
+    engine serving."""
+    target, drafter = make_pair(tmp_path, vocab_size=200)
+    write_ascii_tokenizer(tmp_path / "target", 200)
+    llm = LLM(target, drafter, num_speculative_tokens=5, **SETTINGS)
+    try:
+        prompts = random_prompts(3, 200)
+        free = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+        alone = [out.outputs[0].token_ids for out in llm.generate(prompts[1:], free)]
+        dead_end = constrained(StructuredOutputsParams(regex="abÀ"), ignore_eos=ignore_eos)
+        outs = llm.generate(prompts, [dead_end, free, free])
+        ended = outs[0].outputs[0]
+        assert ended.finish_reason == "stop"
+        assert "ab".startswith(ended.text)  # a prefix of what can be written (llguidance may see the
+        assert len(ended.token_ids) <= 3  # dead end before "b"), then at most the end-of-sequence
+        assert [out.outputs[0].token_ids for out in outs[1:]] == alone
+        assert llm.generate(prompts[1:], free)[0].outputs[0].token_ids == alone[0]  # serving on
+        assert llm.engine.pool_usage().num_used_blocks == 0
     finally:
         llm.close()
