@@ -155,7 +155,7 @@ def resolve_plan(args: EngineArgs, *, cuda_devices: int | None = None) -> Engine
         max_model_len=args.max_model_len or target.max_position_embeddings,
         num_speculative_tokens=num_speculative_tokens(args.num_speculative_tokens, method,
                                                       drafter.block_size if drafter is not None else None),
-        speculative_method=method, adaptive_speculation=adaptive_speculation(args, method, device),
+        speculative_method=method, adaptive_speculation=adaptive_speculation(args, method),
         target_config=target, drafter_config=drafter)
     try:
         plan.pool_spec()  # the pool's geometry refuses what it cannot page (a tokens_per_block, a dtype)
@@ -193,17 +193,15 @@ def speculative_method(args: EngineArgs) -> str | None:
     return method
 
 
-def adaptive_speculation(args: EngineArgs, method: str | None, device: str) -> bool:
-    """Whether each step chooses how many drafts it verifies: as asked; by default for DFlash on a
-    GPU, unless num_speculative_tokens pins K. (On a GPU a large batch's verify is compute-bound, so
-    drafts unlikely to be accepted cost time; on a CPU the default stays a fixed K, whose steps and
-    counters a run can reproduce.) Prompt lookup and the hybrid choose their drafts their own way."""
-    if args.adaptive_speculation is None:
-        return method == "dflash" and args.num_speculative_tokens is None and device.startswith("cuda")
+def adaptive_speculation(args: EngineArgs, method: str | None) -> bool:
+    """Whether each step chooses how many drafts it verifies: as asked, off by default. It is meant
+    to become the default for DFlash on a GPU (where a large batch's verify is compute-bound, so
+    drafts unlikely to be accepted cost time) once the H200 has measured it; until then a server
+    runs as before unless asked. Prompt lookup and the hybrid choose their drafts their own way."""
     if args.adaptive_speculation and method != "dflash":
         raise ValueError(f"adaptive_speculation needs speculative_method 'dflash' (this engine's is "
                          f"{method!r})")
-    return args.adaptive_speculation
+    return bool(args.adaptive_speculation)
 
 
 def num_speculative_tokens(asked: int | None, method: str | None, block_size: int | None) -> int:

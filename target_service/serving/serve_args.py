@@ -32,8 +32,7 @@ class ServeArgs(BaseModel):
     # who drafts (EngineArgs.speculative_method): dflash, ngram (prompt lookup), hybrid; None: dflash
     # with a drafter, plain decoding without
     speculative_method: Literal["dflash", "ngram", "hybrid"] | None = None
-    # each step verifies the k of 0..K drafts with the most tokens per second (EngineArgs'); None: on for
-    # DFlash on a GPU unless num_speculative_tokens pins K
+    # each step verifies the k of 0..K drafts with the most tokens per second (EngineArgs'); None: off
     adaptive_speculation: bool | None = None
     prompt_lookup_min: int = Field(1, ge=1)
     prompt_lookup_max: int = Field(3, ge=1)

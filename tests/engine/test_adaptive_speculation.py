@@ -1,7 +1,7 @@
 """Adaptive speculation through the whole engine: whatever k each step verifies, greedy output equals
 target-only decoding bit for bit (alone, batched, over the prefix cache, with and without async
 scheduling), a request's own `num_speculative_tokens` caps what counts for it alone, and the plan
-turns adaptation on by default only where it pays (DFlash on a GPU, K not pinned)."""
+adapts only when asked, and only for DFlash."""
 
 from __future__ import annotations
 
@@ -66,22 +66,21 @@ def test_a_requests_own_draft_limit_caps_only_its_counts_and_changes_no_token(tm
             llm.close()
 
 
-def test_the_plan_adapts_by_default_only_for_dflash_on_a_gpu_with_k_not_pinned(tmp_path):
+def test_the_plan_adapts_only_when_asked_and_only_for_dflash(tmp_path):
     target, drafter = map(str, make_pair(tmp_path, block_size=8))
 
     def plan(**fields):
         return resolve_plan(EngineArgs(target=target, **fields), cuda_devices=1)
 
-    assert plan(drafter=drafter, device="cuda").adaptive_speculation
-    assert plan(drafter=drafter, device="cuda").speculation_choices == (0, 1, 3, 7)
-    assert not plan(drafter=drafter, device="cuda", num_speculative_tokens=7).adaptive_speculation
-    assert plan(drafter=drafter, device="cuda", num_speculative_tokens=5,
+    assert not plan(drafter=drafter, device="cuda").adaptive_speculation  # off until measured on a GPU
+    assert plan(drafter=drafter, device="cuda").speculation_choices == (7,)
+    assert plan(drafter=drafter, device="cuda", adaptive_speculation=True).speculation_choices == (0, 1, 3, 7)
+    assert plan(drafter=drafter, device="cpu", num_speculative_tokens=5,
                 adaptive_speculation=True).speculation_choices == (0, 1, 3, 5)
-    assert not plan(drafter=drafter, device="cpu").adaptive_speculation
-    assert not plan(drafter=drafter, device="cuda", speculative_method="hybrid").adaptive_speculation
     assert plan(device="cuda").speculation_choices == (0,)  # plain decoding
-    with pytest.raises(ValueError, match="adaptive_speculation needs speculative_method 'dflash'"):
-        plan(device="cpu", speculative_method="ngram", adaptive_speculation=True)
+    for method, drafter_dir in (("ngram", None), ("hybrid", drafter)):
+        with pytest.raises(ValueError, match="adaptive_speculation needs speculative_method 'dflash'"):
+            plan(drafter=drafter_dir, device="cpu", speculative_method=method, adaptive_speculation=True)
 
 
 def test_a_request_asking_for_negative_drafts_is_refused_by_name():
