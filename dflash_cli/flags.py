@@ -102,5 +102,9 @@ def add_proposer_flags(parser: argparse.ArgumentParser) -> None:
                         help="who drafts: the DFlash drafter, prompt lookup over the prompt and output "
                              "(ngram: no drafter), or per sequence and step the better of the two (hybrid); "
                              "default: dflash with a drafter, plain decoding without")
+    parser.add_argument("--adaptive-speculation", action=argparse.BooleanOptionalAction, default=None,
+                        help="each step verifies the number of drafts (0..K) with the most tokens per "
+                             "second, from acceptance measured per draft position and step times measured "
+                             "online (dflash only; default: off)")
     parser.add_argument("--prompt-lookup-min", type=int, default=1, help="shortest n-gram lookup matches")
     parser.add_argument("--prompt-lookup-max", type=int, default=3, help="longest n-gram lookup matches")

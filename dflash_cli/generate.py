@@ -60,7 +60,8 @@ def run(args: argparse.Namespace) -> int:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos)
     llm = LLM(args.target, args.drafter, num_speculative_tokens=args.num_speculative_tokens,
-              speculative_method=args.speculative_method, prompt_lookup_min=args.prompt_lookup_min,
+              speculative_method=args.speculative_method, adaptive_speculation=args.adaptive_speculation,
+              prompt_lookup_min=args.prompt_lookup_min,
               prompt_lookup_max=args.prompt_lookup_max,
               context_storage=args.context_storage, kv_cache_memory=args.kv_cache_memory,
               max_model_len=args.max_model_len, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,

@@ -30,6 +30,7 @@ class LLM:
 
     def __init__(self, target: str | None = None, drafter: str | None = None, *,
                  num_speculative_tokens: int | None = None, speculative_method: str | None = None,
+                 adaptive_speculation: bool | None = None,
                  prompt_lookup_min: int = 1, prompt_lookup_max: int = 3,
                  context_storage: str = "paged", dtype: str | None = None, kv_cache_dtype: str = "auto",
                  device: str | None = None,
@@ -47,6 +48,7 @@ class LLM:
         self.args = engine_args(
             target=target, drafter=drafter,
             num_speculative_tokens=num_speculative_tokens, speculative_method=speculative_method,
+            adaptive_speculation=adaptive_speculation,
             prompt_lookup_min=prompt_lookup_min, prompt_lookup_max=prompt_lookup_max,
             context_storage=context_storage, dtype=dtype,
             kv_cache_dtype=kv_cache_dtype, device=device, max_model_len=max_model_len,

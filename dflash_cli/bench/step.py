@@ -42,10 +42,11 @@ import torch
 
 from dflash_cli.bench.hf_step import hf_case
 from dflash_cli.bench.random_pair import add_pair_arguments, device_name, random_pair_for
-from dflash_cli.bench.simulated_acceptance import SimulatedAcceptance
+from dflash_cli.bench.simulated_acceptance import CURVES, SimulatedAcceptance
 from dflash_cli.bench.step_limits import limit_configs, limits_sweep
 from dflash_cli.bench.step_report import markdown, plot
 from dflash_cli.bench.step_timing import engine_case, steps_per_case
+from foundation.checkpoint_config import load_drafter_config
 
 logger = logging.getLogger("dflash_cli.bench.step")
 
@@ -70,6 +71,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                         help="queue the next step before this one is read, as `dflash serve` does")
     parser.add_argument("--simulate-acceptance", type=float, default=6.5)
+    parser.add_argument("--acceptance-curve", choices=CURVES, default="poisson",
+                        help="how accepted drafts are drawn: a Poisson around the mean (capped at the drafts "
+                             "verified), or a per-position curve whose K drafts give the mean (what judges "
+                             "a step that verifies fewer fairly)")
+    parser.add_argument("--num-speculative-tokens", type=int, default=None,
+                        help="K of the DFlash engine (default: the drafter's block_size - 1)")
+    parser.add_argument("--adaptive-speculation", action=argparse.BooleanOptionalAction, default=None,
+                        help="the DFlash engine chooses each step's drafts (default: the engine's default)")
     parser.add_argument("--kv-cache-memory", default=None, help="pool budget (default: the engine's)")
     parser.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
                         help="the target's K/V pages (fp8: float8 e4m3, half the attention's bytes)")
@@ -106,6 +115,8 @@ def main(argv: list[str] | None = None) -> None:
         "geometry": args.geometry,
         "dtype": dtype,
         "simulate_acceptance": args.simulate_acceptance,
+        "acceptance_curve": args.acceptance_curve,
+        "adaptive_speculation": args.adaptive_speculation,
         "kv_cache_dtype": args.kv_cache_dtype,
         "async_scheduling": args.async_scheduling,
         "steps": args.steps,
@@ -131,7 +142,16 @@ def main(argv: list[str] | None = None) -> None:
             max_num_batched_tokens=8192,
             async_scheduling=args.async_scheduling,
             seed=args.seed,
+            **({"num_speculative_tokens": args.num_speculative_tokens,
+                "adaptive_speculation": args.adaptive_speculation} if mode == "dflash" else {}),
         )
+
+    block = load_drafter_config(str(drafter)).block_size
+
+    def acceptance() -> SimulatedAcceptance:
+        # a curve's scale is set for the drafter's whole block, whatever K the engine verifies
+        return SimulatedAcceptance(args.simulate_acceptance, args.seed, args.acceptance_curve,
+                                   num_positions=block - 1)
 
     for mode in ("plain", "dflash"):  # one engine at a time: each gets the whole device
         llm = make_llm(mode, max(args.batch_sizes), args.kv_cache_memory)
@@ -140,7 +160,7 @@ def main(argv: list[str] | None = None) -> None:
         if mode == "dflash":
             result["num_speculative_tokens"] = k
         result[f"{mode}_pool_blocks"] = engine.pool_limits.num_blocks
-        with SimulatedAcceptance(args.simulate_acceptance, args.seed):
+        with acceptance():
             for context in args.contexts:
                 for batch in args.batch_sizes:
                     if not _fits(batch, context, args.steps, args.rounds, max(k, 15), engine.pool_limits):
@@ -149,6 +169,7 @@ def main(argv: list[str] | None = None) -> None:
                         )
                         continue
                     result[mode].append(engine_case(llm, batch, context, args.steps, args.seed, args.rounds))
+                    result[mode][-1]["decode_steps_by_drafts"] = engine.counters().decode_steps_by_drafts
                     logger.info("%s %s", mode, json.dumps(result[mode][-1]))
                     _save(result, out, plot_too=False)  # a run cut short keeps what it measured
         llm.close()
@@ -162,7 +183,7 @@ def main(argv: list[str] | None = None) -> None:
         def case(llm, batch, context):
             return engine_case(llm, batch, context, args.steps, args.seed, args.rounds)
 
-        with SimulatedAcceptance(args.simulate_acceptance, args.seed):
+        with acceptance():
             result["limits"] = limits_sweep(lambda seqs, memory: make_llm("dflash", seqs, memory), case,
                                             configs, args.limits_batch_sizes, args.limits_context)
         _save(result, out, plot_too=False)

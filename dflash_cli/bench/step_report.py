@@ -32,9 +32,11 @@ def markdown(result: dict) -> str:
         f"- command: `{result['command']}`",
         f"- geometry {result['geometry']} (random weights), {result['dtype']}, target K/V cache "
         f"{result.get('kv_cache_dtype', 'auto')}, "
-        f"K {result.get('num_speculative_tokens', '-')}, acceptance simulated around "
-        f"{result['simulate_acceptance']} (bench only), {result['steps']} timed steps per case, mode and "
-        f"round; {result.get('rounds', 1)} rounds from graphs, eager once",
+        f"K {result.get('num_speculative_tokens', '-')}"
+        f"{' (adaptive: each step chooses its drafts)' if result.get('adaptive_speculation') else ''}, "
+        f"acceptance simulated around {result['simulate_acceptance']} "
+        f"({result.get('acceptance_curve', 'poisson')}; bench only), {result['steps']} timed steps per "
+        f"case, mode and round; {result.get('rounds', 1)} rounds from graphs, eager once",
         "- plain: an engine without a drafter; DFlash: the engine with the drafter. Each case is timed "
         "from CUDA graphs and eagerly, side by side on the same engine and sequences; "
         + ("with async scheduling (the next step queued before this one is read)."

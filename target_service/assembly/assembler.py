@@ -22,6 +22,7 @@ from kvpool_service.control import PoolControl
 from kvpool_service.geometry import PoolSpec
 from kvpool_service.memory import PoolHandle, PoolMemory
 from target_service.assembly.plan import EnginePlan
+from target_service.engine.adaptive_speculation import AdaptiveSpeculation
 from target_service.engine.engine import LLMEngine
 from target_service.engine.scheduler import Scheduler
 from target_service.engine.stop_checker import StopChecker
@@ -94,10 +95,13 @@ class TargetAssembler:
                                   draft_budget=plan.draft_budget(), drafter=proposer,
                                   step_buffers=self.buffers, graphs=self._graphs(caches, layout),
                                   seed=plan.args.seed)
+        speculation = (AdaptiveSpeculation(plan.num_speculative_tokens, plan.speculation_choices)
+                       if plan.adaptive_speculation else None)
         scheduler = Scheduler(pool, max_num_seqs=plan.args.max_num_seqs,
                               max_num_batched_tokens=plan.args.max_num_batched_tokens,
                               draft_budget=plan.draft_budget(),
-                              max_prefill_tokens_with_decodes=plan.args.max_prefill_tokens_with_decodes)
+                              max_prefill_tokens_with_decodes=plan.args.max_prefill_tokens_with_decodes,
+                              speculation=speculation)
         stop_checker = StopChecker(self.checkpoint.eos_token_ids, self.checkpoint.tokenizer)
         tokenizer = self.checkpoint.tokenizer
         grammars = (GrammarVocabulary(tokenizer, self.checkpoint.eos_token_ids, self.runner.vocab_size)
@@ -141,14 +145,14 @@ class TargetAssembler:
                              max_tokens=args.max_num_batched_tokens, max_seqs=args.max_num_seqs)
 
     def _graphs(self, caches, layout) -> TargetGraphs | None:
-        """CUDA graphs of the steady-state steps (verify K + 1 rows with taps, or a 1-row decode)."""
+        """CUDA graphs of the steady-state steps: verify k + 1 rows with taps for every k a step may
+        verify (K; each adaptive choice), and a 1-row decode."""
         plan = self.plan
         if self.device.type != "cuda" or plan.args.enforce_eager:
             return None
         taps = plan.drafter_config is not None  # only the DFlash drafter reads the target's hidden states
-        keys = [GraphKey(1, taps)]
-        if plan.num_speculative_tokens:
-            keys.insert(0, GraphKey(plan.num_speculative_tokens + 1, taps))
+        rows = sorted({1, *(k + 1 for k in plan.speculation_choices)}, reverse=True)
+        keys = [GraphKey(q_len, taps) for q_len in rows]  # the largest first, as before
         sizes = capture_sizes(plan.args.max_num_seqs, plan.args.cuda_graph_sizes)
         max_blocks = -(-plan.max_model_len // layout.spec.tokens_per_block)
         return TargetGraphs(self._model(), caches, sizes=sizes, keys=keys, max_blocks_per_seq=max_blocks,

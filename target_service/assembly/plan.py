@@ -29,6 +29,7 @@ from foundation.weights import resolve_dtype
 from kvpool_service.assembler import PoolArgs
 from kvpool_service.geometry import DTYPE_NAMES, PoolSpec
 from target_service.assembly.engine_args import EngineArgs
+from target_service.engine.adaptive_speculation import default_choices
 from target_service.engine.draft_budget import DraftBudget
 
 TOKEN_METHODS = ("ngram", "hybrid")  # the methods whose proposals read the host's tokens
@@ -48,6 +49,7 @@ class EnginePlan(BaseModel):
     max_model_len: int
     num_speculative_tokens: int  # K; 0 without speculation
     speculative_method: str | None  # "dflash", "ngram" or "hybrid"; None: plain decoding
+    adaptive_speculation: bool = False  # each step verifies the best k of 0..K (AdaptiveSpeculation)
     target_config: TargetConfig
     drafter_config: DrafterConfig | None
 
@@ -72,6 +74,13 @@ class EnginePlan(BaseModel):
         """kv_cache_memory in bytes; None: measured on a GPU, a default on a CPU."""
         memory = self.args.kv_cache_memory
         return None if memory is None else parse_byte_size(memory)
+
+    @property
+    def speculation_choices(self) -> tuple[int, ...]:
+        """The drafts a decode step may verify: the adaptive choices of 0..K, or K alone."""
+        if self.adaptive_speculation:
+            return default_choices(self.num_speculative_tokens)
+        return (self.num_speculative_tokens,)
 
     def draft_budget(self) -> DraftBudget:
         return DraftBudget(self.num_speculative_tokens, self.max_model_len)
@@ -146,7 +155,8 @@ def resolve_plan(args: EngineArgs, *, cuda_devices: int | None = None) -> Engine
         max_model_len=args.max_model_len or target.max_position_embeddings,
         num_speculative_tokens=num_speculative_tokens(args.num_speculative_tokens, method,
                                                       drafter.block_size if drafter is not None else None),
-        speculative_method=method, target_config=target, drafter_config=drafter)
+        speculative_method=method, adaptive_speculation=adaptive_speculation(args, method),
+        target_config=target, drafter_config=drafter)
     try:
         plan.pool_spec()  # the pool's geometry refuses what it cannot page (a tokens_per_block, a dtype)
     except ValidationError as error:
@@ -181,6 +191,17 @@ def speculative_method(args: EngineArgs) -> str | None:
     if method in ("dflash", "hybrid") and args.drafter is None:
         raise ValueError(f"speculative_method {method!r} needs a drafter")
     return method
+
+
+def adaptive_speculation(args: EngineArgs, method: str | None) -> bool:
+    """Whether each step chooses how many drafts it verifies: as asked, off by default. It is meant
+    to become the default for DFlash on a GPU (where a large batch's verify is compute-bound, so
+    drafts unlikely to be accepted cost time) once the H200 has measured it; until then a server
+    runs as before unless asked. Prompt lookup and the hybrid choose their drafts their own way."""
+    if args.adaptive_speculation and method != "dflash":
+        raise ValueError(f"adaptive_speculation needs speculative_method 'dflash' (this engine's is "
+                         f"{method!r})")
+    return bool(args.adaptive_speculation)
 
 
 def num_speculative_tokens(asked: int | None, method: str | None, block_size: int | None) -> int:

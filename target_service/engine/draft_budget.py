@@ -9,9 +9,10 @@ them emits a + 1 tokens, so it ends with n + a + 2 tokens. Both limits follow:
 - max_model_len: n + a + 2 <= max_model_len;
 - max_tokens: a + 1 <= the request's remaining output tokens.
 
-Every drafting sequence still verifies all K drafts when its K + 1 rows fit max_model_len
-(`verifies_full_block`), whatever fewer may count: steps stay uniform (one CUDA graph), and the
-rows past the count are ignored (causal attention keeps them out of the rows that count).
+Every drafting sequence still verifies all of the step's drafts (K, or the step's adaptive k) when
+its rows fit max_model_len (`verifies_full_block`), whatever fewer may count: steps stay uniform (one
+CUDA graph), and the rows past the count are ignored (causal attention keeps them out of the rows
+that count). A request's own limit (`SamplingParams.num_speculative_tokens`) lowers only the count.
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ class DraftBudget:
         limit = torch.minimum(self.max_model_len - num_computed - 2, num_remaining - 1)
         return limit.clamp(min=0, max=self.num_speculative_tokens)
 
-    def verifies_full_block(self, num_computed: int) -> bool:
-        """Whether all K drafts (K + 1 rows, and the token after them) fit max_model_len."""
-        return num_computed + self.num_speculative_tokens + 2 <= self.max_model_len
+    def verifies_full_block(self, num_computed: int, num_verified: int | None = None) -> bool:
+        """Whether `num_verified` drafts (default K; num_verified + 1 rows, and the token after them)
+        fit max_model_len."""
+        k = self.num_speculative_tokens if num_verified is None else num_verified
+        return num_computed + k + 2 <= self.max_model_len

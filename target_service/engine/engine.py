@@ -55,6 +55,8 @@ class EngineCounters:
     # steps by the tokens they gave back (vLLM's iteration tokens): the prompt of each request whose
     # first token came in the step, plus every token the step emitted
     iteration_tokens: dict[int, int] = field(default_factory=dict)
+    # decode-only steps by the drafts each sequence verified (adaptive speculation's choices show here)
+    decode_steps_by_drafts: dict[int, int] = field(default_factory=dict)
 
 
 class LLMEngine:
@@ -79,6 +81,8 @@ class LLMEngine:
         self._num_dropped_ahead = 0
         self._num_pool_recoveries = 0
         self._iteration_tokens: Counter[int] = Counter()
+        self._decode_steps_by_drafts: Counter[int] = Counter()
+        self._last_read: float | None = None  # when the step before was read, if it ran back to back
         self.stats = SpecDecodeStats()  # engine-wide speculative counters
         # on_scheduled(request_id, time.monotonic()): told of every prefill chunk a step schedules, in
         # the engine's thread (the first call for a request is when it left the queue); None: no one
@@ -213,7 +217,7 @@ class LLMEngine:
     def counters(self) -> EngineCounters:
         return EngineCounters(self._num_steps, self._runner.num_steps_ahead, self._num_dropped_ahead,
                               self._scheduler.num_preemptions, self._num_pool_recoveries,
-                              dict(self._iteration_tokens))
+                              dict(self._iteration_tokens), dict(self._decode_steps_by_drafts))
 
     def reset_stats(self) -> SpecDecodeStats:
         """Start the engine-wide speculative counters afresh; returns the ones so far."""
@@ -256,6 +260,8 @@ class LLMEngine:
         finished = self._complete(launched)
         self._iteration_tokens[_tokens_given_back(launched.plan.seqs, emitted)] += 1
         self._drop_stale_ahead()
+        if not self.has_unfinished:
+            self._last_read = None  # the next step begins after an idle gap, which is not its time
         return finished
 
     def _launch_scheduled(self) -> LaunchedStep:
@@ -278,6 +284,7 @@ class LLMEngine:
         launched ahead ran it once too many, and those results are dropped."""
         tokens = self._runner.read(launched)
         self._num_steps += 1
+        self._time_step(launched)
         plan = launched.plan
         live = [seq for seq in plan.seqs if not seq.finish_reason]
         self._num_dropped_ahead += len(plan.seqs) - len(live)
@@ -287,7 +294,8 @@ class LLMEngine:
                 self._fail(seq, failed[seq.seq_id])
         max_accepted = launched.max_accepted  # a step ahead: what the device decided, by the same rule
         if max_accepted is None:
-            max_accepted = [self._scheduler.max_accepted(work.seq) for work in plan.decodes]
+            max_accepted = [min(self._scheduler.max_accepted(work.seq), work.num_verified)
+                            for work in plan.decodes]
         for i, work in enumerate(plan.decodes):
             if not work.seq.finish_reason:
                 self._isolated(work.seq, self._accept, work, max_accepted[i], tokens.accepted[i],
@@ -301,6 +309,21 @@ class LLMEngine:
         finished = [seq for seq in live if seq.finish_reason]
         self._scheduler.finish(finished)
         return finished
+
+    def _time_step(self, launched: LaunchedStep) -> None:
+        """Count a decode-only step by its drafts per sequence. Adaptive speculation learns what a
+        step costs from the steps the engine runs: the time from one read to the next is the step in
+        between, when it only decoded (a prefill chunk's time is not the verify's), every sequence
+        verified one k, and it followed the one before without an idle gap."""
+        now = time.perf_counter()
+        speculation, plan, previous = self._scheduler.speculation, launched.plan, self._last_read
+        self._last_read = now
+        if plan.prefills or len(set(launched.verified)) != 1:
+            return
+        drafts = launched.verified[0]
+        self._decode_steps_by_drafts[drafts] += 1
+        if speculation is not None and previous is not None:
+            speculation.step_took(len(plan.decodes), drafts, now - previous)
 
     def _isolated(self, seq: Sequence, work: Callable[..., None], *args) -> None:
         """Run one sequence's part of the step; should it raise, that sequence alone fails. The
@@ -330,6 +353,11 @@ class LLMEngine:
         seq = work.seq
         self.stats.record(max_accepted, accepted, proposer)
         seq.spec_decode.record(max_accepted, accepted, proposer)
+        speculation = self._scheduler.speculation
+        if speculation is not None and max_accepted > 0:
+            if seq.acceptance is None:
+                seq.acceptance = speculation.request_curve()
+            speculation.observe(seq.acceptance, max_accepted, accepted)
         seq.num_computed += accepted + 1
         self._emit(seq, target_tokens[: accepted + 1], logprobs)
 

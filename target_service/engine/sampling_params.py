@@ -11,6 +11,7 @@ from target_service.structured.params import StructuredOutputsParams
 GREEDY_EPSILON = 1e-5
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # int64, as vLLM's API takes it
 MAX_LOGPROBS = 20  # most likely tokens returned beside each token (vLLM's default max_logprobs)
+MAX_REQUEST_DRAFTS = 256  # a request's num_speculative_tokens: past any drafter's block (K caps it)
 
 
 class SamplingParams(BaseModel):
@@ -36,6 +37,10 @@ class SamplingParams(BaseModel):
     match (`StructuredOutputsParams`); the engine masks the target's choice at every verified
     position, so speculation stays lossless with respect to constrained decoding.
 
+    `num_speculative_tokens` (an extension; no other server has it for DFlash): at most this many of
+    a step's drafts may count for this request (0: none, plain decoding at the same speed); None: the
+    server's K. Lossless like every draft count, so it changes no greedy token.
+
     `spec_decode_per_step` (an extension, not an API field: the server sets it under
     `--per-request-spec-decode-metrics detailed`) keeps the request's accepted and verified counts of
     every verify step (`SpecDecodeStats.per_step_accepted`); without it a request keeps O(K) counters.
@@ -55,6 +60,7 @@ class SamplingParams(BaseModel):
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     logprobs_mode: Literal["raw", "processed"] = "raw"
+    num_speculative_tokens: int | None = Field(None, ge=0, le=MAX_REQUEST_DRAFTS)
     spec_decode_per_step: bool = False
     structured_outputs: StructuredOutputsParams | None = None
 

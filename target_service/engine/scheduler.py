@@ -17,6 +17,7 @@ import logging
 
 from kvpool_service.control import CommitRequest, OpenRequest, ReserveRequest
 from kvpool_service.errors import PoolExhausted
+from target_service.engine.adaptive_speculation import AdaptiveSpeculation
 from target_service.engine.draft_budget import DraftBudget
 from target_service.engine.scheduler_output import DecodeWork, PrefillChunk, SchedulerOutput
 from target_service.engine.sequence import Sequence, SequenceStatus
@@ -26,15 +27,19 @@ logger = logging.getLogger(__name__)
 
 class Scheduler:
     def __init__(self, pool, *, max_num_seqs: int, max_num_batched_tokens: int, draft_budget: DraftBudget,
-                 max_prefill_tokens_with_decodes: int | None = None):
+                 max_prefill_tokens_with_decodes: int | None = None,
+                 speculation: AdaptiveSpeculation | None = None):
         """max_prefill_tokens_with_decodes: prompt tokens one step prefills while it also decodes or
         verifies (None: the rest of max_num_batched_tokens). Every running stream waits for the step,
-        so a long prompt's chunk beside them is a gap in each of their streams."""
+        so a long prompt's chunk beside them is a gap in each of their streams.
+
+        speculation: how many drafts each step verifies (None: K, always)."""
         self.pool = pool
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_prefill_tokens_with_decodes = max_prefill_tokens_with_decodes
         self.draft_budget = draft_budget
+        self.speculation = speculation
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -55,18 +60,29 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def max_accepted(self, seq: Sequence) -> int:
-        """Drafts that may count for `seq` this step (`DraftBudget`); none for a sequence whose draft
-        context has a gap (`Sequence.has_context`)."""
+        """Drafts that may count for `seq` this step (`DraftBudget`, and the request's own limit);
+        none for a sequence whose draft context has a gap (`Sequence.has_context`)."""
         if not seq.has_context:
             return 0
-        return self.draft_budget.max_accepted(seq.num_computed, seq.num_remaining_tokens)
+        allowed = self.draft_budget.max_accepted(seq.num_computed, seq.num_remaining_tokens)
+        own = seq.params.num_speculative_tokens
+        return allowed if own is None else min(allowed, own)
 
-    def num_verified(self, seq: Sequence, max_accepted: int) -> int:
-        """Drafts to verify: K for every sequence with context whose K + 1 rows fit max_model_len (the
-        uniform step), whatever fewer of them may count; else max_accepted."""
-        if seq.has_context and self.draft_budget.verifies_full_block(seq.num_computed):
+    def step_drafts(self, seqs: list[Sequence], caps: list[int]) -> int:
+        """The drafts this step verifies per sequence: K, or the adaptive choice for these rows (caps:
+        each one's drafts that may count)."""
+        if self.speculation is None or not seqs:
             return self.num_speculative_tokens
-        return max_accepted
+        return self.speculation.choose([self.speculation.outlook(seq.acceptance, cap)
+                                        for seq, cap in zip(seqs, caps)])
+
+    def num_verified(self, seq: Sequence, max_accepted: int, step_drafts: int | None = None) -> int:
+        """Drafts to verify: the step's (default K) for every sequence with context whose rows fit
+        max_model_len (the uniform step), whatever fewer of them may count; else max_accepted."""
+        k = self.num_speculative_tokens if step_drafts is None else step_drafts
+        if seq.has_context and self.draft_budget.verifies_full_block(seq.num_computed, k):
+            return k
+        return min(max_accepted, k)
 
     # ---- one step -------------------------------------------------------------------------------
 
@@ -74,10 +90,11 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         decoding = [seq for seq in self.running if not seq.is_prefilling]
+        caps = [self.max_accepted(seq) for seq in decoding]
+        step_drafts = self.step_drafts(decoding, caps)
         work = []
-        for seq in decoding:
-            max_accepted = self.max_accepted(seq)
-            num_verified = self.num_verified(seq, max_accepted)
+        for seq, max_accepted in zip(decoding, caps):
+            num_verified = self.num_verified(seq, max_accepted, step_drafts)
             if num_verified + 1 > budget:
                 break
             budget -= num_verified + 1
@@ -99,22 +116,28 @@ class Scheduler:
         results are read; None when that step cannot be known now.
 
         It is planned only when it is the step `schedule` would plan after `current` whatever
-        `current` accepts: the same sequences, each verifying K drafts (max_model_len far enough
-        away), within the token budget, without preempting, nobody to admit (none waiting, or every
-        sequence index taken: a request waiting for one that `current` frees is admitted a step later); and
-        only for greedy requests or those with their own generator, so the engine's shared generator
-        is never drawn for a step that is dropped. Pages are reserved for the longest outcome of
+        `current` accepts: the same sequences, each verifying the step's k drafts (K, or the adaptive
+        choice, made now from what is known; max_model_len far enough away; no request limiting its
+        own drafts below k, a limit only the host applies), within the token budget, without
+        preempting, nobody to admit (none waiting, or every sequence index taken: a request waiting
+        for one that `current` frees is admitted a step later); and only for greedy requests or
+        those with their own generator, so the engine's shared generator is never drawn for a step
+        that is dropped. Pages are reserved for the longest outcome of
         `current` (every draft accepted). How many drafts may count is left to the device
-        (`DraftBudget.max_accepted_on_device`): each decode's `max_accepted` here is only the bound K.
+        (`DraftBudget.max_accepted_on_device`): each decode's `max_accepted` here is only the bound k.
         """
         seqs = [work.seq for work in current.decodes]
-        k = self.num_speculative_tokens
         if current.prefills or current.preempted or not seqs:
             return None
         if self.waiting and len(self.running) < self.max_num_seqs:
             return None
         if len(seqs) != len(self.running) or set(map(id, seqs)) != set(map(id, self.running)):
             return None
+        # the caps before `current` is read: the choice's estimate; the device applies the rule
+        k = self.step_drafts(seqs, [self.max_accepted(seq) for seq in seqs])
+        if any(seq.params.num_speculative_tokens is not None and seq.params.num_speculative_tokens < k
+               for seq in seqs):
+            return None  # a request's own limit is the host's to apply
         if len(seqs) * (k + 1) > self.max_num_batched_tokens:
             return None
         requests = []
@@ -124,7 +147,7 @@ class Scheduler:
                 return None
             if not (seq.params.greedy or seq.generator is not None):
                 return None
-            if not self.draft_budget.verifies_full_block(longest):
+            if not self.draft_budget.verifies_full_block(longest, k):
                 return None  # `schedule` might verify fewer rows then
             requests.append(ReserveRequest(seq.seq_id, longest + k + 1))
         try:

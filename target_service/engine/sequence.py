@@ -18,6 +18,7 @@ Who writes what:
 | spec_decode (the request's counters),   |                                                   |
 | output_logprobs, prompt_logprobs        |                                                   |
 | has_context                             | ModelRunner (False when the drafter misses a step) |
+| acceptance (its per-position curve)     | LLMEngine, with adaptive speculation              |
 | generator                               | LLMEngine (at add_request, from the runner)       |
 
 The runner reads a sequence to build the step's tensors; it writes only `has_context`.
@@ -42,6 +43,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from target_service.engine.acceptance_curve import AcceptanceCurve
 from target_service.engine.outputs import SpecDecodeStats, TokenLogprob
 from target_service.engine.sampling_params import SamplingParams
 from target_service.structured.constraint import TokenConstraint
@@ -76,6 +78,7 @@ class Sequence:
     output_logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None
     constraint: TokenConstraint | None = None  # the grammar its output must match (structured outputs)
+    acceptance: AcceptanceCurve | None = None  # its drafts' acceptance per position (adaptive speculation)
 
     def __post_init__(self):
         if self.params.logprobs is not None and self.output_logprobs is None:

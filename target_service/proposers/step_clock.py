@@ -1,13 +1,16 @@
-"""StepClock: how long a step takes on this machine with the DFlash drafter and without it, learned online.
+"""StepClock: how long a step of a given kind takes on this machine, learned online.
 
-The hybrid proposer weighs tokens per second, not tokens per step: where the drafter costs as much
-as the verify (a small target, a CPU), a lookup that accepts a little less than DFlash still emits
-more per second, since a step that drafts only by lookup skips the drafter. What a step costs
-depends on the machine, the batch and the context, so it is measured rather than modelled: the wall
-time from one `propose` to the next is the step in between (its drafting, verify and bookkeeping),
-filed under whether the drafter ran and the batch's size (rounded up to a power of two). The
-estimate is the median of the latest `WINDOW` such intervals, so an idle gap or a step that also
-prefilled a long prompt moves it little.
+Both speculation choices weigh tokens per second, not tokens per step. The hybrid proposer asks
+what a step costs with the DFlash drafter and without it (where the drafter costs as much as the
+verify, a lookup that accepts a little less still emits more per second); adaptive speculation asks
+what it costs to verify k drafts per row. What a step costs depends on the machine, the batch and
+the context, so it is measured rather than modelled: an interval is filed under its kind (whether
+the drafter ran; the k verified) and the batch's size rounded up to a power of two. The estimate is
+the median of the latest `WINDOW` intervals, so an idle gap or a step that also prefilled a long
+prompt moves it little.
+
+`step_begins` measures the interval from one call to the next (the hybrid proposer calls it at every
+propose); `record` files one measured elsewhere (the engine, between two steps it ran back to back).
 """
 
 from __future__ import annotations
@@ -15,9 +18,9 @@ from __future__ import annotations
 import statistics
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 
-WINDOW = 15  # intervals kept per (drafter ran, batch size)
+WINDOW = 15  # intervals kept per (kind, batch size)
 
 
 def batch_bucket(num_seqs: int) -> int:
@@ -28,18 +31,30 @@ def batch_bucket(num_seqs: int) -> int:
 class StepClock:
     def __init__(self, clock: Callable[[], float] = time.perf_counter):
         self.clock = clock
-        self._intervals: dict[tuple[bool, int], deque[float]] = {}
-        self._open: tuple[float, bool, int] | None = None  # the step since the last propose
+        self._intervals: dict[tuple[Hashable, int], deque[float]] = {}
+        self._recorded_at: dict[tuple[Hashable, int], int] = {}  # key -> the serial of its latest interval
+        self._serial = 0
+        self._open: tuple[float, Hashable, int] | None = None  # the step since the last step_begins
 
-    def step_begins(self, num_seqs: int, drafter_runs: bool) -> None:
-        """A propose for `num_seqs` rows starts now: the step before it has ended."""
+    def step_begins(self, num_seqs: int, kind: Hashable) -> None:
+        """A step of `kind` for `num_seqs` rows starts now: the step before it has ended."""
         now = self.clock()
         if self._open is not None:
-            started, ran, bucket = self._open
-            self._intervals.setdefault((ran, bucket), deque(maxlen=WINDOW)).append(now - started)
-        self._open = (now, drafter_runs, batch_bucket(num_seqs))
+            started, previous_kind, previous_seqs = self._open
+            self.record(previous_seqs, previous_kind, now - started)
+        self._open = (now, kind, num_seqs)
 
-    def estimate(self, num_seqs: int, drafter_runs: bool) -> float | None:
-        """Seconds a step of this batch size takes (None: not measured yet)."""
-        intervals = self._intervals.get((drafter_runs, batch_bucket(num_seqs)))
+    def record(self, num_seqs: int, kind: Hashable, seconds: float) -> None:
+        key = (kind, batch_bucket(num_seqs))
+        self._intervals.setdefault(key, deque(maxlen=WINDOW)).append(seconds)
+        self._serial += 1
+        self._recorded_at[key] = self._serial
+
+    def estimate(self, num_seqs: int, kind: Hashable) -> float | None:
+        """Seconds a step of this kind and batch size takes (None: not measured yet)."""
+        intervals = self._intervals.get((kind, batch_bucket(num_seqs)))
         return statistics.median(intervals) if intervals else None
+
+    def last_recorded(self, num_seqs: int, kind: Hashable) -> int:
+        """The serial of this key's latest interval (0: never): which measurement is the oldest."""
+        return self._recorded_at.get((kind, batch_bucket(num_seqs)), 0)

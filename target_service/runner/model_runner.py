@@ -138,8 +138,9 @@ class ModelRunner:
         columns = max(len(seq.block_table) for seq in seqs)
         padded = [seq.block_table + [0] * (columns - len(seq.block_table)) for seq in seqs]
         table = to_device(padded, torch.int32, self.device)
+        budget = replace(self.draft_budget, num_speculative_tokens=num_verified)  # the step's k (adaptive)
         bonus, starts, max_accepted = next_inputs(current.targets, current.accepted, logit_starts_d, starts_d,
-                                                  remaining_d, self.draft_budget)
+                                                  remaining_d, budget)
         if num_verified:
             self.step_buffers.stage_propose_tensors(bonus, starts, seq_indices_d, table)
             if not self._call_propose(len(seqs), num_verified, columns, seqs):

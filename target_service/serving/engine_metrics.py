@@ -65,6 +65,7 @@ class EngineCollector:
         yield self._accepted_per_position(stats.accepted_per_position)
         yield from self._by_proposer(stats.by_proposer)
         yield self._iteration_tokens(counters.iteration_tokens)
+        yield self._decode_steps(counters.decode_steps_by_drafts)
         yield from self._pool_blocks(pool)
         yield self._compilations()
 
@@ -94,6 +95,15 @@ class EngineCollector:
             for position, accepted in enumerate(counts.accepted_per_position):
                 family.add_metric([*values, proposer, str(position)], accepted)
         yield family
+
+    def _decode_steps(self, steps_by_drafts: dict[int, int]):
+        """Decode-only steps by the drafts each sequence verified: where adaptive speculation chose."""
+        family = self._family(CounterMetricFamily, "dflash:decode_steps_by_drafts",
+                              "Decode-only engine steps, by the drafts each sequence verified", ("drafts",))
+        values = list(self.labels.values())
+        for drafts, steps in sorted(steps_by_drafts.items()):
+            family.add_metric([*values, str(drafts)], steps)
+        return family
 
     def _iteration_tokens(self, steps_by_tokens: dict[int, int]):
         family = self._family(HistogramMetricFamily, "vllm:iteration_tokens_total",

@@ -22,6 +22,9 @@ target's own (log_softmax of its logits, vLLM's default) or the one the sampler 
 (temperature, top-k and top-p applied; one-hot when greedy). A request with prompt logprobs
 recomputes the prompt's positions the prefix cache holds, for their logits (`Sequence`).
 
+The extension `num_speculative_tokens` (0..256; null: the server's) caps the drafts that may count
+for this request per step (0: none); like every draft count, it changes no greedy token, only speed.
+
 Types are strict and say what the JSON schema says (the served OpenAPI schema is these models'
 `model_json_schema()`): a string is no number, a bool no integer, 0 no bool. One rule covers every
 integer field: a JSON number is an integer when its value is integral, so 87.0 is the token id 87
@@ -54,7 +57,7 @@ from pydantic import (
     field_validator,
 )
 
-from target_service.engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from target_service.engine.sampling_params import MAX_LOGPROBS, MAX_REQUEST_DRAFTS, SamplingParams
 from target_service.serving.api_errors import ApiError
 from target_service.serving.structured_fields import StructuredOutputFields, structured_exclusions
 
@@ -167,6 +170,7 @@ class SamplingRequest(StructuredOutputFields):
     repetition_penalty: float | None = 1.0  # vLLM; `vllm bench serve` always sends 1.0
     logit_bias: dict[str, float] | None = None
     logprobs_mode: Literal["raw", "processed"] | None = None  # ours: which distribution logprobs are of
+    num_speculative_tokens: integer(ge=0, le=MAX_REQUEST_DRAFTS) | None = None  # ours: drafts that may count
 
     @classmethod
     def from_body(cls, body: Any):
@@ -263,7 +267,8 @@ class SamplingRequest(StructuredOutputFields):
             "top_k": -1 if self.top_k in (None, 0) else self.top_k,
             "seed": self.seed, "stop": self.stop, "stop_token_ids": self.stop_token_ids,
             "ignore_eos": bool(self.ignore_eos), "logprobs_mode": self.logprobs_mode or "raw",
-            "structured_outputs": self.structured_spec(), **self._logprob_fields(),
+            "structured_outputs": self.structured_spec(),
+            "num_speculative_tokens": self.num_speculative_tokens, **self._logprob_fields(),
         }
         try:
             return SamplingParams(**fields)

@@ -32,6 +32,8 @@ class ServeArgs(BaseModel):
     # who drafts (EngineArgs.speculative_method): dflash, ngram (prompt lookup), hybrid; None: dflash
     # with a drafter, plain decoding without
     speculative_method: Literal["dflash", "ngram", "hybrid"] | None = None
+    # each step verifies the k of 0..K drafts with the most tokens per second (EngineArgs'); None: off
+    adaptive_speculation: bool | None = None
     prompt_lookup_min: int = Field(1, ge=1)
     prompt_lookup_max: int = Field(3, ge=1)
     context_storage: Literal["paged", "dense"] = "paged"
@@ -131,6 +133,7 @@ class ServeArgs(BaseModel):
         target, drafter = resolve_pair(self.target, self.drafter, self.speculative_method)
         return EngineArgs(target=target, drafter=drafter, num_speculative_tokens=self.num_speculative_tokens,
                           speculative_method=self.speculative_method,
+                          adaptive_speculation=self.adaptive_speculation,
                           prompt_lookup_min=self.prompt_lookup_min, prompt_lookup_max=self.prompt_lookup_max,
                           context_storage=self.context_storage, dtype=self.dtype,
                           kv_cache_dtype=self.kv_cache_dtype, device=self.device,

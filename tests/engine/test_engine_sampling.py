@@ -36,15 +36,17 @@ def chi_square_critical(dof: int, z: float = 3.09) -> float:
     return dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3
 
 
-@pytest.mark.parametrize("method", ["dflash", "ngram", "hybrid"])
+@pytest.mark.parametrize("method", ["dflash", "ngram", "hybrid", "dflash-adaptive"])
 def test_sampled_pairs_with_a_drafter_follow_the_target_distribution(tmp_path, method):
-    """Whoever proposes (the drafter, prompt lookup, or either per step), the verify samples the
-    target at every row and accepts the drafts equal to its samples: the target's distribution."""
+    """Whoever proposes (the drafter, prompt lookup, or either per step) and however many drafts a
+    step verifies (adaptive: 0, 1 or 3), the verify samples the target at every row and accepts the
+    drafts equal to its samples: the target's distribution."""
     target, drafter = make_pair(tmp_path, vocab_size=VOCAB, hidden_size=32, intermediate_size=48)
     prompt = torch.randint(3, VOCAB, (6,)).tolist()
-    llm = LLM(target, None if method == "ngram" else drafter, speculative_method=method,
-              num_speculative_tokens=3, kv_cache_memory="8MiB", tokens_per_block=16,
-              max_num_seqs=256, max_model_len=64)
+    adaptive, proposer = method == "dflash-adaptive", method.removesuffix("-adaptive")
+    llm = LLM(target, None if method == "ngram" else drafter, speculative_method=proposer,
+              num_speculative_tokens=3, adaptive_speculation=adaptive or None, kv_cache_memory="8MiB",
+              tokens_per_block=16, max_num_seqs=256, max_model_len=64)
     first = next_token_probs(llm, prompt)
     joint = torch.zeros(VOCAB, VOCAB, dtype=torch.float64)  # P(2nd = b, 3rd = c)
     for a in range(VOCAB):
@@ -62,6 +64,8 @@ def test_sampled_pairs_with_a_drafter_follow_the_target_distribution(tmp_path, m
             _, b, c = out.outputs[0].token_ids
             counts[b, c] += 1
     assert llm.stats.num_drafts > 0  # the speculative path produced the second tokens
+    if adaptive:
+        assert len(llm.engine.counters().decode_steps_by_drafts) >= 2  # more than one k was verified
 
     expected = joint * num_runs
     keep = expected >= 5  # pool the rare cells into one

@@ -215,3 +215,29 @@ def test_the_engine_keeps_the_steps_only_for_a_detailed_one_choice_request(level
     app, engine = fake_app(spec_decode_metrics=level)
     assert call(app, "POST", "/v1/completions", json={**body, "max_tokens": 4}).status_code == 200
     assert [params.spec_decode_per_step for _, params in engine.generated] == per_step
+
+
+def test_a_requests_own_num_speculative_tokens_caps_its_drafts_and_changes_no_token(served, rng):
+    """The extension field: at most that many drafts count per step (replayed by hand as above, with
+    K the request's), 0 none at all; the text is the one without it; a bad value is a 400 naming it."""
+    replica, apps = served
+    k = replica.async_engine.engine.num_speculative_tokens
+    body = greedy(rng, max_tokens=rng.randint(24, 48))
+    free = post(apps["detailed"], "/v1/completions", body)
+    own = rng.randint(1, k - 1)
+    capped = post(apps["detailed"], "/v1/completions", {**body, "num_speculative_tokens": own})
+    assert capped["choices"][0]["text"] == free["choices"][0]["text"]
+    stats = capped["metrics"]["speculative_decoding"]
+    drafted, _ = replayed_drafts(stats["per_step_accepted"], own, body["max_tokens"])
+    assert stats["per_step_drafted"] == drafted and max(drafted) <= own
+    none = post(apps["detailed"], "/v1/completions", {**body, "num_speculative_tokens": 0})
+    assert none["choices"][0]["text"] == free["choices"][0]["text"]
+    assert "metrics" not in none or none["metrics"]["speculative_decoding"]["num_spec_steps"] == 0
+
+    async def refused():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=apps["detailed"]),
+                                     base_url="http://t") as http:
+            return await http.post("/v1/completions", json={**body, "num_speculative_tokens": -1})
+    response = asyncio.run(refused())
+    assert response.status_code == 400
+    assert "num_speculative_tokens" in response.json()["error"]["message"]

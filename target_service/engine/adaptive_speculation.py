@@ -1,0 +1,128 @@
+"""AdaptiveSpeculation: how many drafts a step verifies, chosen for the batch's tokens per second.
+
+Each step the scheduler asks `choose` for one k for the whole step (a uniform step replays one CUDA
+graph; a row's drafts past what it may count cost the same as the others). For each candidate k of
+`choices` (the ones the graphs cover), the step's expected tokens are the sum over its rows of
+1 + E_row[min(k, cap_row)]: the bonus token, plus the drafts accepted on average, from the row's own
+`AcceptanceCurve` pulled toward the server's; its time is the step clock's estimate for (batch, k).
+The k with the most tokens per second is taken (`best_k`). At batch 1 on a GPU the verify reads the
+weights once whatever k, so k stays high; at a large batch the verify is compute-bound, and rows
+unlikely to be accepted are no longer worth their cost.
+
+Step times are measured, not modelled (`StepClock`). A k not measured at a batch bucket yet is
+estimated optimistically from one that is: a smaller k as if time scaled with the rows verified, a
+larger one as costing no more; so each k is tried where it could win, and its measurement decides
+after that. Every `explore_every` steps at a bucket the candidate measured longest ago is taken
+once, so a stale or unlucky measurement is corrected (one step in explore_every may be off the best).
+
+Lossless: verifying fewer drafts changes which drafts are checked, never what the target emits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from target_service.engine.acceptance_curve import AcceptanceCurve
+from target_service.proposers.step_clock import StepClock, batch_bucket
+
+SERVER_HALF_LIFE = 2048.0  # verifies (rows x steps) over which the server's curve forgets half
+REQUEST_HALF_LIFE = 64.0  # ... one request's
+REQUEST_PRIOR_WEIGHT = 8.0  # trials of the server's curve that a request's own counts start from
+EXPLORE_EVERY = 64
+
+
+def default_choices(num_speculative_tokens: int) -> tuple[int, ...]:
+    """0 (no drafts: the drafter skipped), 2^i - 1 below K, and K: few enough that each gets its
+    CUDA graphs, spread so a curve of any steepness has a near-best candidate."""
+    found = {0, num_speculative_tokens}
+    k = 1
+    while k < num_speculative_tokens:
+        found.add(k)
+        k = 2 * k + 1
+    return tuple(sorted(found))
+
+
+@dataclass(frozen=True)
+class RowOutlook:
+    expected: Sequence[float]  # E[0..K]: drafts accepted on average when k are verified
+    cap: int  # drafts that may count this step (the draft budget, the request's own limit)
+
+
+def step_tokens(rows: Sequence[RowOutlook], k: int) -> float:
+    """Tokens a step verifying k drafts per row emits on average."""
+    return sum(1.0 + row.expected[min(k, row.cap)] for row in rows)
+
+
+def best_k(rows: Sequence[RowOutlook], choices: Sequence[int],
+           seconds: Callable[[int], float | None]) -> int:
+    """The choice with the most expected tokens per second; without any time known, the largest.
+    A tie keeps the larger k (no fewer tokens per step for the same time)."""
+    known = {k: seconds(k) for k in choices}
+    measured = {k: t for k, t in known.items() if t is not None and t > 0}
+    if not measured:
+        return max(choices)
+    best, best_rate = None, -1.0
+    for k in sorted(choices, reverse=True):
+        t = measured.get(k) or optimistic_seconds(k, measured)
+        rate = step_tokens(rows, k) / t
+        if rate > best_rate * (1 + 1e-12):
+            best, best_rate = k, rate
+    return best
+
+
+def optimistic_seconds(k: int, measured: dict[int, float]) -> float:
+    """A k not measured: from the nearest measured k' above it, as if time scaled with rows
+    (k + 1) / (k' + 1); with none above, as the largest measured one below costs."""
+    above = [other for other in measured if other > k]
+    if above:
+        nearest = min(above)
+        return measured[nearest] * (k + 1) / (nearest + 1)
+    return measured[max(measured)]
+
+
+class AdaptiveSpeculation:
+    def __init__(self, num_speculative_tokens: int, choices: Sequence[int] | None = None,
+                 clock: StepClock | None = None, explore_every: int = EXPLORE_EVERY):
+        self.num_speculative_tokens = num_speculative_tokens
+        self.choices = tuple(sorted(set(choices or default_choices(num_speculative_tokens))))
+        if not self.choices or min(self.choices) < 0 or max(self.choices) > num_speculative_tokens:
+            raise ValueError(f"speculation choices {self.choices} must lie in 0..{num_speculative_tokens}")
+        self.clock = clock or StepClock()
+        self.explore_every = explore_every
+        self.server = AcceptanceCurve(num_speculative_tokens, half_life=SERVER_HALF_LIFE)
+        self.steps_by_k: dict[int, int] = dict.fromkeys(self.choices, 0)  # the choices made, for /metrics
+        self._steps_at_bucket: dict[int, int] = {}
+
+    def request_curve(self) -> AcceptanceCurve:
+        return AcceptanceCurve(self.num_speculative_tokens, half_life=REQUEST_HALF_LIFE,
+                               prior_weight=REQUEST_PRIOR_WEIGHT)
+
+    def observe(self, curve: AcceptanceCurve, countable: int, accepted: int) -> None:
+        """One row's verify: into its request's curve and the server's."""
+        curve.observe(countable, accepted)
+        self.server.observe(countable, accepted)
+
+    def outlook(self, curve: AcceptanceCurve | None, cap: int) -> RowOutlook:
+        server = self.server.rates()
+        expected = (curve.expected_accepted(server) if curve is not None
+                    else self.server.expected_accepted())
+        return RowOutlook(expected, cap)
+
+    def choose(self, rows: Sequence[RowOutlook]) -> int:
+        """The step's k for these rows; every explore_every-th step at a batch bucket, the choice
+        measured longest ago instead."""
+        num_seqs = len(rows)
+        bucket = batch_bucket(num_seqs)
+        count = self._steps_at_bucket[bucket] = self._steps_at_bucket.get(bucket, 0) + 1
+        if count % self.explore_every == 0:
+            k = min(self.choices, key=lambda choice: self.clock.last_recorded(num_seqs, choice))
+        else:
+            k = best_k(rows, self.choices, lambda choice: self.clock.estimate(num_seqs, choice))
+        self.steps_by_k[k] += 1
+        return k
+
+    def step_took(self, num_seqs: int, k: int, seconds: float) -> None:
+        """A decode-only step of num_seqs rows verifying k drafts each took `seconds`."""
+        if k in self.steps_by_k:
+            self.clock.record(num_seqs, k, seconds)
