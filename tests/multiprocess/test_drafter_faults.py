@@ -134,12 +134,14 @@ def test_prefix_hits_admitted_while_the_drafter_is_gone_complete_unchanged(ray_l
 @pytest.mark.parametrize("how", KILLS)
 def test_a_drafter_killed_at_random_moments_fails_no_request(ray_local, pair, prompts_and_expected, seed,
                                                               how):
-    """Rounds of the four requests, the drafter killed at a random moment of each (one kill when it
-    does not restart, then rounds without it): a moment may fall mid-propose, mid-context-store,
-    between steps, while the restarted drafter loads or is being attached, or after the round."""
+    """Two rounds of the four requests, the drafter killed at a random moment of each (of the first
+    only when it does not restart; the second then runs without it): a moment may fall mid-propose,
+    mid-context-store, between steps, or after the round, and the second kill of a restarting drafter
+    may find it still loading or being attached. (Four rounds took ~20 s more for each kind that
+    restarts, and only drew those moments again.)"""
     prompts, expected = prompts_and_expected
     rng = random.Random(seed)
-    rounds = 2 if how.endswith("no restart") else 4
+    rounds = 2
     services = start_trio(*pair, **SETTINGS)
     try:
         for i in range(rounds):

@@ -8,6 +8,7 @@ import shutil
 import socket
 
 import pytest
+from cli_output import without_sweep_reports
 from tiers import ROOT
 from tiny_checkpoints import write_drafter_checkpoint, write_target_checkpoint
 
@@ -33,7 +34,7 @@ def dflash(capsys, monkeypatch):
 
     def run(*argv: str) -> tuple[int, str]:
         code = cli.main([str(a) for a in argv])
-        err = capsys.readouterr().err
+        err = without_sweep_reports(capsys.readouterr().err)
         assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
         return code, err.strip()
     return run
