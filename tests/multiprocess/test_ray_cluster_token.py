@@ -58,6 +58,8 @@ def test_a_driver_without_a_token_is_told_in_one_line_where_to_put_it(cluster, t
 
 def test_a_driver_with_a_wrong_token_is_refused_by_the_gcs(cluster):
     address, _ = cluster
-    refused = join(address, RAY_AUTH_TOKEN="0" * 64)
+    # Ray retries the GCS about once a second, 20 times by default, before it gives up on a refusal;
+    # two tries hear the same refusal in 2.5 s instead of 20.
+    refused = join(address, RAY_AUTH_TOKEN="0" * 64, RAY_NUM_REDIS_GET_RETRIES="2")
     assert refused.returncode != 0
     assert "InvalidAuthToken" in refused.stderr and "nodes" not in refused.stdout
