@@ -157,3 +157,78 @@ def test_a_grammar_no_token_can_continue_ends_its_request_with_stop_and_the_batc
         assert llm.engine.pool_usage().num_used_blocks == 0
     finally:
         llm.close()
+
+
+def write_letter_tokenizer(directory, letters: str) -> None:
+    """A byte-level BPE with no merges: token 3 + i is the letter `letters[i]` alone, after the
+    three specials, so a regex over letters allows exactly the token ids of those letters."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{letter: 3 + i for i, letter in enumerate(letters)}}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.save(str(directory / "tokenizer.json"))
+
+
+SAMPLED_VOCAB, SAMPLED_TEMPERATURE, ALLOWED = 12, 0.6, "abcde"  # ids 3..7 of letters a..i (3..11)
+
+
+def test_constrained_samples_with_a_drafter_follow_the_masked_target_distribution(tmp_path):
+    """Sampling keeps the constrained distribution under speculation: with the regex `[abcde]{3}`,
+    the 2nd and 3rd sampled tokens (the 3rd from the verify row after an accepted or rejected draft)
+    follow the target's distribution restricted to the five letters and renormalised, computed by
+    brute force in float64 (one forward per prefix); the engine's counts over many seeds by a
+    chi-square test (p = 0.001)."""
+    import math
+
+    import torch
+
+    from target_service.runner.forward_batch import SeqChunk, pack
+
+    target, drafter = make_pair(tmp_path, vocab_size=SAMPLED_VOCAB, hidden_size=32, intermediate_size=48)
+    write_letter_tokenizer(tmp_path / "target", "abcdefghi")
+    llm = LLM(target, drafter, num_speculative_tokens=3, kv_cache_memory="8MiB", tokens_per_block=16,
+              max_num_seqs=256, max_model_len=64)
+    allowed = torch.tensor([3 + "abcdefghi".index(letter) for letter in ALLOWED])
+
+    def masked_probs(tokens: list[int]) -> torch.Tensor:
+        model = llm.assembly.runner.target
+        shape = (4, 16, model.config.num_key_value_heads, model.config.head_dim)
+        caches = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(model.config.num_hidden_layers)]
+        logits = model(pack([SeqChunk(tokens, 0, [0, 1, 2, 3], 1, 0)], 16), caches).logits[0].double()
+        probs = torch.zeros(SAMPLED_VOCAB, dtype=torch.float64)
+        probs[allowed] = torch.softmax(logits[allowed] / SAMPLED_TEMPERATURE, dim=-1)
+        return probs
+
+    try:
+        prompt = torch.randint(3, SAMPLED_VOCAB, (6,)).tolist()
+        first = masked_probs(prompt)
+        joint = torch.zeros(SAMPLED_VOCAB, SAMPLED_VOCAB, dtype=torch.float64)  # P(2nd = b, 3rd = c)
+        for a in allowed.tolist():
+            second = masked_probs([*prompt, a])
+            for b in allowed.tolist():
+                joint[b] += first[a] * second[b] * masked_probs([*prompt, a, b])
+
+        num_runs, spec = 2000, StructuredOutputsParams(regex=f"[{ALLOWED}]{{3}}")
+        seeds = torch.randint(0, 2**31, (num_runs,)).tolist()
+        params = [SamplingParams(max_tokens=3, temperature=SAMPLED_TEMPERATURE, seed=seed,
+                                 structured_outputs=spec) for seed in seeds]
+        counts = torch.zeros(SAMPLED_VOCAB, SAMPLED_VOCAB, dtype=torch.float64)
+        for start in range(0, num_runs, 250):
+            for out in llm.generate([prompt] * 250, params[start:start + 250]):
+                _, b, c = out.outputs[0].token_ids
+                counts[b, c] += 1
+        assert llm.stats.num_drafts > 0 and counts.sum() == num_runs
+        assert counts[~joint.gt(0)].sum() == 0  # nothing outside the grammar, ever
+
+        expected = joint * num_runs
+        keep = expected >= 5  # pool the rare cells into one
+        observed_cells = torch.cat([counts[keep], counts[~keep].sum().view(1)])
+        expected_cells = torch.cat([expected[keep], expected[~keep].sum().view(1)])
+        chi2 = float(((observed_cells - expected_cells) ** 2 / expected_cells.clamp(min=1e-9)).sum())
+        dof = observed_cells.numel() - 1
+        critical = dof * (1 - 2 / (9 * dof) + 3.09 * math.sqrt(2 / (9 * dof))) ** 3  # Wilson-Hilferty
+        assert chi2 < critical, chi2
+    finally:
+        llm.close()
