@@ -91,4 +91,6 @@ class StructuredOutputsParams(BaseModel):
             lark = any_to_lark(self.grammar)  # GBNF (llama.cpp's), as vLLM's guided_grammar often is
         except GbnfToLarkError as error:
             raise ValueError(str(error)) from None
+        except Exception as error:  # the converter's bare ones: "No 'root' rule found", "Rule 'x' not found"
+            raise ValueError(f"as GBNF: {error}") from None
         return LLMatcher.grammar_from_lark(lark)

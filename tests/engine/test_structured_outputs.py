@@ -76,6 +76,8 @@ def test_a_constrained_request_leaves_its_batch_unchanged(pair):
     (StructuredOutputsParams(regex="(["), "the regex does not compile"),
     (StructuredOutputsParams(grammar="start: missing_rule"), "the grammar does not compile"),
     (StructuredOutputsParams(json={"type": "no-such-type"}), "the json does not compile"),
+    (StructuredOutputsParams(grammar=""), "the grammar is not valid: as GBNF: No 'root' rule found"),
+    (StructuredOutputsParams(grammar='x ::= "a"\nroot ::= x y'), "not valid: as GBNF: Rule 'y' not found"),
 ])
 def test_a_spec_that_does_not_compile_is_refused_before_anything_is_queued(pair, spec, message):
     llm = engine(pair, "dflash")

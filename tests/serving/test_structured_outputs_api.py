@@ -109,6 +109,8 @@ def test_chat_matches_its_spec_streamed_or_not(served, name):
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
      "response_format", "the json does not compile"),
     ({"structured_outputs": {"grammar": "start: undefined_rule"}}, "structured_outputs", "does not compile"),
+    ({"guided_grammar": ""}, "guided_grammar", "No 'root' rule found"),  # schemathesis found it a 500
+    ({"guided_grammar": "root ::= item"}, "guided_grammar", "Rule 'item' not found"),
     ({"guided_regex": "a+", "guided_choice": ["a"]}, "guided_regex", "give one of"),
     ({"structured_outputs": {"regexp": "a"}}, "structured_outputs", "exactly one of json, json_object"),
     ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs", "exactly one of"),
