@@ -42,11 +42,16 @@ def test_random_steps_pick_the_larger_rate():
             assert choice.lookup_rows == tuple(range(len(rows)))
 
 
-def test_before_the_times_are_known_the_lookup_is_tried_once_every_row_matches():
-    matched, unmatched = [RowOutlook(6.0, 1.0)] * 2, [RowOutlook(6.0, 1.0), RowOutlook(6.0, None)]
+def test_an_unknown_time_is_measured_the_lookup_only_one_first_where_some_row_matches():
+    matched, partly = [RowOutlook(6.0, 1.0)] * 2, [RowOutlook(6.0, 1.0), RowOutlook(6.0, None)]
+    unmatched = [RowOutlook(6.0, None)] * 2
     assert choose_step(matched, None, None) == StepChoice(False, (0, 1))  # its time is measured once
-    assert choose_step(unmatched, None, None).run_drafter  # a row would have nothing to verify
-    assert choose_step(matched, None, 0.05).run_drafter  # and then the drafter's time is measured
+    assert choose_step(partly, None, None) == StepChoice(False, (0, 1))  # one row is enough to try
+    assert choose_step(partly, 0.05, None) == StepChoice(False, (0, 1))  # ... even with the drafter's known
+    assert choose_step(unmatched, None, None) == StepChoice(True, ())  # nothing to try the lookup on
+    assert choose_step(unmatched, 0.05, None) == StepChoice(True, ())
+    assert choose_step(matched, None, 0.05) == StepChoice(True, ())  # then the drafter's time is measured
+    assert choose_step(partly, None, 0.05) == StepChoice(True, ())
 
 
 class HandClock:
