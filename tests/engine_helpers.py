@@ -1,7 +1,9 @@
-"""Shared pieces of the engine tests: tiny checkpoints and an oracle drafter double."""
+"""Shared pieces of the engine tests: tiny checkpoints, an oracle drafter double, and the chi-square
+check of sampled counts against an exact distribution."""
 
 from __future__ import annotations
 
+import math
 import zlib
 
 import torch
@@ -127,3 +129,14 @@ class OracleDrafter:
         remaining = seq.params.max_tokens - len(seq.output_token_ids) - (start - seq.num_computed)
         limit = min(self.engine.num_speculative_tokens, self.engine.max_model_len - start - 2, remaining - 1)
         return max(0, limit)
+
+
+def chi_square_against(counts: torch.Tensor, expected: torch.Tensor, z: float = 3.09) -> tuple[float, float]:
+    """(chi-square of `counts` against `expected` counts, its upper quantile at z (3.09: p = 0.001)):
+    cells expected fewer than 5 times are pooled into one; the quantile is Wilson-Hilferty's."""
+    keep = expected >= 5
+    observed_cells = torch.cat([counts[keep], counts[~keep].sum().view(1)]).double()
+    expected_cells = torch.cat([expected[keep], expected[~keep].sum().view(1)]).double()
+    chi2 = float(((observed_cells - expected_cells) ** 2 / expected_cells.clamp(min=1e-9)).sum())
+    dof = observed_cells.numel() - 1
+    return chi2, dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3

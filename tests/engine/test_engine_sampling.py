@@ -6,11 +6,9 @@ prefix, float64 softmax), the target's joint distribution of the 2nd and 3rd sam
 was accepted. The engine's counts over many seeds are compared with a chi-square test.
 """
 
-import math
-
 import pytest
 import torch
-from engine_helpers import make_pair
+from engine_helpers import chi_square_against, make_pair
 
 from target_service.engine.sampling_params import SamplingParams
 from target_service.llm import LLM
@@ -29,11 +27,6 @@ def next_token_probs(llm: LLM, tokens: list[int]) -> torch.Tensor:
     batch = pack([SeqChunk(tokens, 0, [0, 1, 2, 3], 1, 0)], 16)
     logits = target(batch, caches).logits[0].double()
     return torch.softmax(logits / TEMPERATURE, dim=-1)
-
-
-def chi_square_critical(dof: int, z: float = 3.09) -> float:
-    """Wilson-Hilferty upper quantile of chi-square (z = 3.09: p = 0.001)."""
-    return dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3
 
 
 @pytest.mark.parametrize("method", ["dflash", "ngram", "hybrid", "dflash-adaptive"])
@@ -67,12 +60,8 @@ def test_sampled_pairs_with_a_drafter_follow_the_target_distribution(tmp_path, m
     if adaptive:
         assert len(llm.engine.counters().decode_steps_by_drafts) >= 2  # more than one k was verified
 
-    expected = joint * num_runs
-    keep = expected >= 5  # pool the rare cells into one
-    observed_cells = torch.cat([counts[keep], counts[~keep].sum().view(1)])
-    expected_cells = torch.cat([expected[keep], expected[~keep].sum().view(1)])
-    chi2 = float(((observed_cells - expected_cells) ** 2 / expected_cells.clamp(min=1e-9)).sum())
-    assert chi2 < chi_square_critical(observed_cells.numel() - 1), chi2
+    chi2, critical = chi_square_against(counts, joint * num_runs)
+    assert chi2 < critical, chi2
     llm.close()
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from engine_helpers import make_pair, random_prompts
+from engine_helpers import chi_square_against, make_pair, random_prompts
 from grammar_helpers import CORPUS, SPECS, assert_matches, grammar_pair, reference_greedy
 
 from target_service.engine.sampling_params import SamplingParams
@@ -182,8 +182,6 @@ def test_constrained_samples_with_a_drafter_follow_the_masked_target_distributio
     follow the target's distribution restricted to the five letters and renormalised, computed by
     brute force in float64 (one forward per prefix); the engine's counts over many seeds by a
     chi-square test (p = 0.001)."""
-    import math
-
     import torch
 
     from target_service.runner.forward_batch import SeqChunk, pack
@@ -224,13 +222,7 @@ def test_constrained_samples_with_a_drafter_follow_the_masked_target_distributio
         assert llm.stats.num_drafts > 0 and counts.sum() == num_runs
         assert counts[~joint.gt(0)].sum() == 0  # nothing outside the grammar, ever
 
-        expected = joint * num_runs
-        keep = expected >= 5  # pool the rare cells into one
-        observed_cells = torch.cat([counts[keep], counts[~keep].sum().view(1)])
-        expected_cells = torch.cat([expected[keep], expected[~keep].sum().view(1)])
-        chi2 = float(((observed_cells - expected_cells) ** 2 / expected_cells.clamp(min=1e-9)).sum())
-        dof = observed_cells.numel() - 1
-        critical = dof * (1 - 2 / (9 * dof) + 3.09 * math.sqrt(2 / (9 * dof))) ** 3  # Wilson-Hilferty
+        chi2, critical = chi_square_against(counts, joint * num_runs)
         assert chi2 < critical, chi2
     finally:
         llm.close()
