@@ -33,6 +33,7 @@ import torch
 
 from drafter_service.control import DraftControl
 from drafter_service.step_buffers import StepBuffers
+from foundation.host_transfer import to_device
 from target_service.proposers.hybrid_choice import RowOutlook, choose_step
 from target_service.proposers.ngram import NgramLookups
 from target_service.proposers.step_clock import StepClock
@@ -116,11 +117,11 @@ class HybridProposer(TokenProposer):
 
     def _write(self, rows: list[int], tokens: list[list[int]], num_draft: int) -> None:
         buffers = self.step_buffers.draft_tokens
+        values = to_device(tokens, buffers.dtype, buffers.device)  # queued: no wait on the drafter's kernels
         if rows == list(range(len(rows))):  # the common case: one copy, no index
-            buffers[: len(rows), :num_draft].copy_(torch.tensor(tokens, dtype=buffers.dtype))
+            buffers[: len(rows), :num_draft].copy_(values)
             return
-        index = torch.tensor(rows, dtype=torch.int64, device=buffers.device)
-        buffers[index, :num_draft] = torch.tensor(tokens, dtype=buffers.dtype).to(buffers.device)
+        buffers[to_device(rows, torch.int64, buffers.device), :num_draft] = values
 
     def _learn(self, seqs) -> None:
         """Score last step's proposals against what each sequence emitted since."""

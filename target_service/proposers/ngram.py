@@ -8,9 +8,8 @@ copies (edits of a given file, repeated JSON, a model that repeats itself).
 
 from __future__ import annotations
 
-import torch
-
 from drafter_service.step_buffers import StepBuffers
+from foundation.host_transfer import to_device
 from target_service.proposers.ngram_index import Match, NgramIndex
 from target_service.proposers.token_proposer import NGRAM, TokenProposer
 
@@ -45,6 +44,7 @@ class NgramProposer(TokenProposer):
 
     def propose(self, num_seqs: int, num_draft: int, num_block_cols: int) -> None:
         matches = self.lookups.propose(self.staged[:num_seqs], num_draft)
-        rows = torch.tensor([match.tokens for match in matches], dtype=torch.int64)
-        self.step_buffers.draft_tokens[:num_seqs, :num_draft].copy_(rows)
+        drafts = self.step_buffers.draft_tokens
+        tokens = [match.tokens for match in matches]
+        drafts[:num_seqs, :num_draft].copy_(to_device(tokens, drafts.dtype, drafts.device))
         self.sources = [NGRAM] * num_seqs

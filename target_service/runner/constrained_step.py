@@ -17,6 +17,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from foundation.host_transfer import to_device
 from target_service.engine.scheduler_output import SchedulerOutput
 
 MASK_WORKERS = 4
@@ -42,7 +43,7 @@ class ConstrainedStep:
             drafts = host[row][:count]
             repaired = seq.constraint.repair(drafts)
             if repaired != drafts:
-                draft_tokens[row, :count] = torch.tensor(repaired, dtype=draft_tokens.dtype)
+                draft_tokens[row, :count] = to_device(repaired, draft_tokens.dtype, draft_tokens.device)
             blocks[seq.seq_id] = repaired
         choosing = [work.seq for work in plan.decodes]
         choosing += [chunk.seq for chunk in plan.prefills if chunk.is_last]
