@@ -67,7 +67,7 @@ def test_choices_past_the_waiting_queue_can_never_be_admitted_and_are_a_400_not_
     rng = random.Random()
     max_waiting = rng.randrange(2, 40)
     app, engine = fake_app(FakeEngine(max_waiting=max_waiting))
-    prompts = rng.randrange(2, 8)
+    prompts = rng.randrange(2, min(8, max_waiting + 1))  # more prompts than the queue is the prompt's fault
     n = max_waiting // prompts + 1  # prompts x n > max_waiting, each under its own bound
     error = assert_openai_error(post(app, {"prompt": ["a"] * prompts, "n": n, "max_tokens": 1}), 400, "n")
     assert f"{prompts * n} choices" in error["message"] and str(max_waiting) in error["message"]
