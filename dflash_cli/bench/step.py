@@ -67,6 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 64])
     parser.add_argument("--contexts", type=int, nargs="+", default=[2048, 8192, 32768])
     parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--modes", nargs="+", choices=("plain", "dflash"), default=["plain", "dflash"],
+                        help="which engines to time (a comparison of DFlash settings needs plain once)")
     parser.add_argument("--rounds", type=int, default=3, help="timings from CUDA graphs per case")
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                         help="queue the next step before this one is read, as `dflash serve` does")
@@ -121,6 +123,7 @@ def main(argv: list[str] | None = None) -> None:
         "async_scheduling": args.async_scheduling,
         "steps": args.steps,
         "rounds": args.rounds,
+        "modes": args.modes,
         "plain": [],
         "dflash": [],
         "hf": [],
@@ -153,7 +156,7 @@ def main(argv: list[str] | None = None) -> None:
         return SimulatedAcceptance(args.simulate_acceptance, args.seed, args.acceptance_curve,
                                    num_positions=block - 1)
 
-    for mode in ("plain", "dflash"):  # one engine at a time: each gets the whole device
+    for mode in dict.fromkeys(args.modes):  # one engine at a time: each gets the whole device
         llm = make_llm(mode, max(args.batch_sizes), args.kv_cache_memory)
         engine = llm.engine
         k, vocab = engine.num_speculative_tokens, llm.assembly.runner.vocab_size

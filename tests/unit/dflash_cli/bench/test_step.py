@@ -35,3 +35,20 @@ def test_a_staggered_prefill_leaves_the_whole_batch_running_for_the_timed_steps(
     poisson = torch.distributions.Poisson(mean - 1)
     expected = 1 + sum(min(n, k) * poisson.log_prob(torch.tensor(float(n))).exp() for n in range(60)).item()
     assert abs(timed["mean_acceptance_length"] - expected) < 0.6
+
+
+@pytest.mark.parametrize("modes", [["dflash"], ["plain"], ["plain", "dflash"]])
+def test_the_step_bench_times_only_the_engines_it_is_asked_for(tmp_path, modes):
+    """A comparison of DFlash settings (bench/adaptive_h200.sh) times plain decode once, not per run."""
+    import json
+
+    from dflash_cli.bench import step
+
+    batch = int(torch.randint(1, 3, ()))
+    step.main(["--geometry", "tiny", "--device", "cpu", "--steps", "2", "--rounds", "1", "--batch-sizes",
+               str(batch), "--contexts", "64", "--no-hf", "--modes", *modes, "--out", str(tmp_path),
+               "--name", "modes"])
+    result = json.loads((tmp_path / "modes.json").read_text())
+    assert result["modes"] == modes
+    for mode in ("plain", "dflash"):
+        assert [case["batch"] for case in result[mode]] == ([batch] if mode in modes else [])
