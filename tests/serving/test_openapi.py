@@ -153,15 +153,16 @@ STRUCTURED_FIELDS = ("structured_outputs", "guided_json", "guided_regex", "guide
 def tools_disagree(body) -> bool:
     """The tools' rules the schema cannot state (they compare fields, or items of a list): a name given
     twice, a tool_choice that asks for a call without tools or names one that is not there, and forced
-    calls beside another structured output. Only bodies the schema allows otherwise reach here, so
-    the fields have their types."""
-    if not isinstance(body, dict):
+    calls beside another structured output. A mutated body may give a field the wrong type (tools
+    true); the schema rejects that one itself, so it is no disagreement."""
+    if not isinstance(body, dict) or not isinstance(body.get("tools") or [], list):
         return False
     functions = [tool.get("function") for tool in body.get("tools") or [] if isinstance(tool, dict)]
     names = [function["name"] for function in functions if isinstance(function, dict) and "name" in function]
     choice = body.get("tool_choice")
     forcing = choice == "required" or isinstance(choice, dict)
-    named = (choice.get("function") or {}).get("name") if isinstance(choice, dict) else None
+    function = choice.get("function") if isinstance(choice, dict) else None
+    named = function.get("name") if isinstance(function, dict) else None
     response_format = body.get("response_format")
     structured = any(body.get(name) is not None for name in STRUCTURED_FIELDS) or (
         isinstance(response_format, dict) and response_format.get("type") != "text")
