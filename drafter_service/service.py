@@ -22,6 +22,7 @@ from drafter_service.assembler import DrafterArgs, DrafterAssembler
 from drafter_service.channel_control import serve_draft_worker
 from drafter_service.step_buffers import StepBuffersHandle
 from foundation.step_channel import StepChannel, StepChannelHandle
+from kernels.compile_watch import WATCH, CompileCounts
 from kvpool_service.memory import PoolHandle
 
 logger = logging.getLogger(__name__)
@@ -32,6 +33,7 @@ STOP_TIMEOUT_S = 10.0
 class DrafterService:
     def __init__(self, args: DrafterArgs):
         self.args = args
+        WATCH.install()  # what compiles from here on: ready once the first attach has captured graphs
         self.assembler = DrafterAssembler(args).load()
         self._channel: StepChannel | None = None
         self._thread: threading.Thread | None = None
@@ -57,7 +59,12 @@ class DrafterService:
                                         name="dflash-drafter-channel", daemon=True)
         self._thread.start()
         logger.info("drafter (pid %d) attached to pool epoch %d", os.getpid(), pool_handle.layout.epoch)
+        WATCH.mark_ready()
         return os.getpid()
+
+    def compilations(self) -> CompileCounts:
+        """Triton kernels this process built: at start-up and the first attach, and since."""
+        return WATCH.counts()
 
     def is_serving(self) -> bool:
         return self._thread is not None and self._thread.is_alive()

@@ -40,6 +40,16 @@ class Compilation:
                 if mine != theirs]
 
 
+@dataclasses.dataclass(frozen=True)
+class CompileCounts:
+    """What one process built: how many specialisations at start-up, and each one built after ready
+    named with its cause (`CompileWatch.explain`). Plain data, so a service in a process of its own
+    reports its own count to whoever exports the metric."""
+
+    startup: int = 0
+    serving: tuple[str, ...] = ()
+
+
 def _arguments(compile_info: dict, text: str) -> tuple[str, ...]:
     """`name: type[=constant][ attributes]` per argument, from the hook's compile information (its
     signature, constants by argument path and attributes such as tt.divisibility by path); the
@@ -117,6 +127,11 @@ class CompileWatch:
     @property
     def after_ready(self) -> list[Compilation]:
         return [built for built in self.compilations if built.after_ready]
+
+    def counts(self) -> CompileCounts:
+        built = self.compilations
+        serving = tuple(self.explain(item) for item in built if item.after_ready)
+        return CompileCounts(len(built) - len(serving), serving)
 
     def explain(self, built: Compilation) -> str:
         """`built`'s kernel and, against the same kernel's closest earlier specialisation, the

@@ -16,6 +16,7 @@ import logging
 import os
 from dataclasses import dataclass
 
+from kernels.compile_watch import WATCH, CompileCounts
 from kvpool_service.assembler import PoolArgs, build_pool
 from kvpool_service.control import PoolUsage
 from kvpool_service.memory import PoolHandle
@@ -39,6 +40,7 @@ class KVPoolService:
         if not args.share:
             raise ValueError("a pool service shares its memory with other processes: "
                              "PoolArgs.share must be True")
+        WATCH.install()  # the pool launches no kernel today; its count says so, and would say otherwise
         self.pool = build_pool(args)
         try:
             self.server = BackgroundServer(self.pool.blocks, self.pool.layout, host=host, port=port,
@@ -49,9 +51,14 @@ class KVPoolService:
         self._info = PoolInfo(self.pool.handle, self.server.address, self.pool.layout.epoch, os.getpid())
         logger.info("pool service: epoch %d at %s (pid %d)", self._info.epoch, self._info.address,
                     self._info.pid)
+        WATCH.mark_ready()
 
     def info(self) -> PoolInfo:
         return self._info
+
+    def compilations(self) -> CompileCounts:
+        """Triton kernels this process built, at start-up and since it served."""
+        return WATCH.counts()
 
     def stats(self) -> PoolUsage:
         return self.server.run_in_server_thread(self.pool.blocks.stats)

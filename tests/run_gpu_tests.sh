@@ -6,21 +6,26 @@
 #
 #   OUT=DIR RUNS=3 bash tests/run_gpu_tests.sh [more pytest arguments]
 #
+# Carry .devray too (a core-only Ray, ../shared/tools/device_ray.sh) and the Ray services' GPU tests run.
 # COLD=1 empties Triton's cache first, so the first run compiles every kernel it reaches, as on a
 # fresh machine (the first run's time is then mostly compiling).
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_tests}
 RUNS=${RUNS:-3}
 mkdir -p "$OUT"
+if [ -f .devray/ray-slim.tar.xz ]; then  # a core-only Ray (../shared/tools/device_ray.sh): the Ray services' GPU tests
+    mkdir -p /tmp/site && tar -xJf .devray/ray-slim.tar.xz -C /tmp/site || exit 1
+    export RAY_USAGE_STATS_ENABLED=0 RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0
+fi
 if compgen -G ".whl/*.whl" > /dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-        .whl/*.whl || exit 1
+        .whl/*.whl $(compgen -G ".devray/*.whl") || exit 1
     export PYTHONPATH=/tmp/site:$PWD
 fi
 export PYTHONUNBUFFERED=1
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__,
                                        torch.cuda.get_device_name())' | tee "$OUT/gpu_tests_env.txt"
-# The tiers that hold GPU tests and need neither Ray nor the HTTP stack.
+# The tiers that hold GPU tests and need no HTTP stack (the Ray services' skip themselves without Ray).
 SUITES="tests/unit/kernels tests/unit/foundation tests/unit/kvpool_service tests/unit/target_service
         tests/engine tests/multiprocess"
 if [ "${COLD:-0}" = 1 ]; then

@@ -5,15 +5,19 @@ every length. The step benchmark measures one shape at a time; a kernel that com
 class it never saw, or a step that stalls on a long prefill, shows up here.
 
 `varied_requests` draws the requests (seeded); `drive` runs them, adding and aborting between
-steps, and times every step.
+steps, and times every step; `drive_streams` runs them through the Ray services as concurrent
+streaming clients.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import random
+import threading
 import time
 
+from target_service.engine.engine_client import RequestDelta
 from target_service.engine.sampling_params import SamplingParams
 
 
@@ -109,4 +113,60 @@ def drive(engine, requests: list[VariedRequest], rng: random.Random, *, arrival_
         step += 1
         if step > max_steps:
             raise RuntimeError(f"the workload did not end within {max_steps} steps")
+    return result
+
+
+@dataclasses.dataclass
+class StreamResult:
+    finished: int = 0
+    aborted: int = 0
+    failed: list[str] = dataclasses.field(default_factory=list)  # "request id: error", one per failure
+
+
+def drive_streams(services, requests: list[VariedRequest], rng: random.Random, *,
+                  mean_gap_s: float = 0.02, timeout_s: float = 300.0) -> StreamResult:
+    """Run every request through `services` (a started `RayServices`), as a server's clients would:
+    each streams from its own thread, arriving `mean_gap_s` apart on average (exponential gaps, so
+    arrivals land during others' prefills and decodes); a request with `abort_after_steps` cancels
+    its stream after that many deltas (a client that went away)."""
+    import ray
+
+    result, lock = StreamResult(), threading.Lock()
+    arrivals = list(itertools.accumulate(rng.expovariate(1 / mean_gap_s) for _ in requests))
+    started = time.monotonic()
+
+    def client(request: VariedRequest, at: float) -> None:
+        time.sleep(max(0.0, started + at - time.monotonic()))
+        stream = services.stream(request.prompt, request.params, request.request_id)
+        outcome, deltas = "aborted", 0
+        try:
+            for ref in stream:
+                delta = ray.get(ref, timeout=timeout_s)
+                if not isinstance(delta, RequestDelta):  # the target's note of when it was scheduled
+                    continue
+                deltas += 1
+                if delta.finished:
+                    outcome = "finished"
+                    break
+                if request.abort_after_steps is not None and deltas >= request.abort_after_steps:
+                    ray.cancel(stream)
+                    break
+        except Exception as error:  # every failure is reported; none stops the other clients
+            outcome = f"{request.request_id}: {error}"
+        with lock:
+            if outcome == "finished":
+                result.finished += 1
+            elif outcome == "aborted":
+                result.aborted += 1
+            else:
+                result.failed.append(outcome)
+
+    threads = [threading.Thread(target=client, args=(request, at), daemon=True)
+               for request, at in zip(requests, arrivals)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(max(1.0, started + timeout_s - time.monotonic()))
+    if any(thread.is_alive() for thread in threads):
+        raise RuntimeError(f"the workload did not end within {timeout_s:g} s")
     return result

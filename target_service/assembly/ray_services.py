@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 from drafter_service.service import DrafterService
 from foundation.device_name import cuda_device_count
+from kernels.compile_watch import CompileCounts
 from kvpool_service.assembler import size_pool
 from kvpool_service.service import KVPoolService, PoolInfo
 from target_service.assembly.engine_args import EngineArgs
@@ -41,6 +42,7 @@ logger = logging.getLogger(__name__)
 
 STARTUP_TIMEOUT_S = 600.0
 POOL_WAIT_S = 120.0
+COMPILATIONS_WAIT_S = 5.0  # a metrics scrape waits no longer for a service's count
 CLOSE_TIMEOUT_S = 30.0  # a target drains its running requests first
 CPUS_PER_ACTOR = 0.25  # the actors mostly wait on each other or the GPU; CI machines have 2 cores
 GPU_SHARE = 0.33  # three actors on one GPU
@@ -337,6 +339,23 @@ class RayServices:
         import ray
 
         return ray.get(self.pool.stats.remote(), timeout=POOL_WAIT_S)
+
+    def compilations(self) -> dict[str, CompileCounts]:
+        """Each service's own count of the Triton kernels its process built (a service that does not
+        answer in time, restarting, is left out of this reading)."""
+        import ray
+
+        services = {"kvpool": self.pool, "drafter": self.drafter, "target": self.target}
+        asked = {name: actor.compilations.remote() for name, actor in services.items() if actor is not None}
+        answered, _ = ray.wait(list(asked.values()), num_returns=len(asked), timeout=COMPILATIONS_WAIT_S)
+        counts = {}
+        for name, ref in asked.items():
+            try:
+                if ref in answered:
+                    counts[name] = ray.get(ref)
+            except Exception as error:  # died while answering: its count comes back with it
+                logger.debug("compilations of the %s service: %s", name, error)
+        return counts
 
     def pids(self) -> dict[str, int]:
         import ray

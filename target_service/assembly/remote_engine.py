@@ -64,7 +64,8 @@ class RemoteEngine:
     def snapshot(self) -> EngineSnapshot:
         state = self.services.snapshot()
         return EngineSnapshot(state["stats"], state["num_running"], state["num_waiting"],
-                              self.services.pool_stats(), state["num_steps"], state["num_steps_ahead"])
+                              self.services.pool_stats(), state["num_steps"], state["num_steps_ahead"],
+                              self.services.compilations())
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
                        request_id: str | None = None) -> AsyncIterator[RequestDelta]:

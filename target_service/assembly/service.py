@@ -30,6 +30,7 @@ from typing import Protocol
 
 from drafter_service.channel_control import ChannelDraftControl
 from foundation.step_channel import StepChannel
+from kernels.compile_watch import WATCH, CompileCounts
 from kvpool_service.assembler import PoolArgs
 from kvpool_service.errors import PoolError
 from kvpool_service.leased_control import LeasedPoolControl
@@ -275,6 +276,10 @@ class TargetService:
         return {"stats": engine.stats.copy(), "num_running": engine.num_running,
                 "num_waiting": self.async_engine.num_waiting, "healthy": self.async_engine.is_healthy,
                 "num_steps": counters.num_steps, "num_steps_ahead": counters.num_steps_ahead}
+
+    def compilations(self) -> CompileCounts:
+        """Triton kernels this process built, before its engine was ready and since."""
+        return WATCH.counts()
 
     def counters(self) -> EngineCounters:
         """How the engine's steps went (preemptions, tokens per step, ...), for the server's metrics."""

@@ -30,6 +30,7 @@ import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from kernels.compile_watch import WATCH
 from target_service.engine.engine import LLMEngine
 from target_service.engine.engine_client import EngineDead, EngineSnapshot, QueueFull, RequestDelta
 from target_service.engine.sampling_params import SamplingParams
@@ -87,7 +88,7 @@ class AsyncEngine:
         engine = self.engine
         counters = engine.counters()
         return EngineSnapshot(engine.stats.copy(), self.num_running, self.num_waiting, engine.pool_usage(),
-                              counters.num_steps, counters.num_steps_ahead)
+                              counters.num_steps, counters.num_steps_ahead, {"in_process": WATCH.counts()})
 
     def check(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Refuse (ValueError) a request that could never run, before anything is queued: its prompt,

@@ -8,9 +8,10 @@ protocol alone, so the HTTP contract is the same either way; a test holds both t
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
+from kernels.compile_watch import CompileCounts
 from target_service.engine.outputs import SpecDecodeStats, TokenLogprob
 from target_service.engine.sampling_params import SamplingParams
 
@@ -50,7 +51,9 @@ class RequestDelta:
 
 @dataclass(frozen=True)
 class EngineSnapshot:
-    """What the metrics read at a scrape: the speculative counters, the queue and the pool."""
+    """What the metrics read at a scrape: the speculative counters, the queue, the pool, and the
+    Triton kernels each process of the engine built (`compilations`, by service: "in_process" for
+    the one process of an in-process engine; "kvpool", "drafter", "target" for the Ray services)."""
 
     stats: SpecDecodeStats
     num_running: int
@@ -58,6 +61,7 @@ class EngineSnapshot:
     pool: object  # kvpool_service.control.PoolUsage
     num_steps: int = 0  # engine steps read
     num_steps_ahead: int = 0  # ... of which queued before the step before them was read
+    compilations: dict[str, CompileCounts] = field(default_factory=dict)
 
 
 @runtime_checkable

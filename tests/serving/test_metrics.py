@@ -243,10 +243,10 @@ def test_one_exposition_of_two_replicas_passes_promtool_and_sums_over_replica(tm
 def test_kernel_compilations_are_counted_by_phase(tmp_path, monkeypatch):
     """What compiled before the engine was ready is start-up; anything after it stalled the step."""
     from kernels.compile_watch import CompileWatch
-    from target_service.serving import engine_metrics
+    from target_service.engine import async_engine
 
     watch = CompileWatch()
-    monkeypatch.setattr(engine_metrics, "WATCH", watch)
+    monkeypatch.setattr(async_engine, "WATCH", watch)
     target, _ = make_pair(tmp_path)
     llm = LLM(target, kv_cache_memory="4MiB", tokens_per_block=16, max_num_seqs=2, max_model_len=64)
     engine = AsyncEngine(llm.engine)
@@ -259,7 +259,7 @@ def test_kernel_compilations_are_counted_by_phase(tmp_path, monkeypatch):
         built[phase] += 1
         table = samples(metrics.render().decode())
         for name, count in built.items():
-            assert value(table, "dflash:kernel_compilations_total", phase=name) == count
+            assert value(table, "dflash:kernel_compilations_total", service="in_process", phase=name) == count
     engine.shutdown()
     llm.close()
 

@@ -3,7 +3,7 @@ keywords, the compile information of this Triton's shape), so the watch records,
 after ready, names the argument class that changed, chains the hook it found and puts it back."""
 
 from kernels import compile_watch
-from kernels.compile_watch import CompileWatch
+from kernels.compile_watch import CompileCounts, CompileWatch
 
 
 class _Fn:
@@ -42,9 +42,11 @@ def test_the_watch_records_explains_chains_and_uninstalls():
         assert "n: i32 (was n: i32 tt.divisibility=16)" in watch.explain(other)
         assert "BLOCK: constexpr=128 (was BLOCK: constexpr=64)" in watch.explain(other)
         assert len(watch.after_ready) == 2
+        assert watch.counts() == CompileCounts(1, (watch.explain(misaligned), watch.explain(other)))
         watch.mark_starting()
         _miss(owner, attribute, "i32", True, 256)
         assert len(watch.after_ready) == 2
+        assert watch.counts().startup == 2 and len(watch.counts().serving) == 2
         watch.uninstall()
         assert len(previous_calls) == 4
         _miss(owner, attribute, "i32", True, 256)
