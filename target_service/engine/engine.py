@@ -34,6 +34,7 @@ from target_service.engine.sampling_params import SamplingParams
 from target_service.engine.scheduler import Scheduler
 from target_service.engine.scheduler_output import DecodeWork, PrefillChunk
 from target_service.engine.sequence import Sequence
+from target_service.engine.slow_steps import SlowSteps
 from target_service.engine.step_runner import LaunchedStep, StepRunner
 from target_service.engine.stop_checker import StopChecker
 from target_service.structured.vocabulary import GrammarVocabulary
@@ -57,6 +58,7 @@ class EngineCounters:
     iteration_tokens: dict[int, int] = field(default_factory=dict)
     # decode-only steps by the drafts each sequence verified (adaptive speculation's choices show here)
     decode_steps_by_drafts: dict[int, int] = field(default_factory=dict)
+    num_slow_steps: int = 0  # steps that kept running streams waiting over `slow_steps.SLOW_STEP_S`
 
 
 class LLMEngine:
@@ -83,6 +85,7 @@ class LLMEngine:
         self._iteration_tokens: Counter[int] = Counter()
         self._decode_steps_by_drafts: Counter[int] = Counter()
         self._last_read: float | None = None  # when the step before was read, if it ran back to back
+        self._slow_steps = SlowSteps()
         self.stats = SpecDecodeStats()  # engine-wide speculative counters
         # on_scheduled(request_id, time.monotonic()): told of every prefill chunk a step schedules, in
         # the engine's thread (the first call for a request is when it left the queue); None: no one
@@ -217,7 +220,8 @@ class LLMEngine:
     def counters(self) -> EngineCounters:
         return EngineCounters(self._num_steps, self._runner.num_steps_ahead, self._num_dropped_ahead,
                               self._scheduler.num_preemptions, self._num_pool_recoveries,
-                              dict(self._iteration_tokens), dict(self._decode_steps_by_drafts))
+                              dict(self._iteration_tokens), dict(self._decode_steps_by_drafts),
+                              self._slow_steps.count)
 
     def reset_stats(self) -> SpecDecodeStats:
         """Start the engine-wide speculative counters afresh; returns the ones so far."""
@@ -314,10 +318,13 @@ class LLMEngine:
         """Count a decode-only step by its drafts per sequence. Adaptive speculation learns what a
         step costs from the steps the engine runs: the time from one read to the next is the step in
         between, when it only decoded (a prefill chunk's time is not the verify's), every sequence
-        verified one k, and it followed the one before without an idle gap."""
+        verified one k, and it followed the one before without an idle gap. Any step with decodes that
+        took too long is a gap its streams saw: `SlowSteps` counts and names it."""
         now = time.perf_counter()
         speculation, plan, previous = self._scheduler.speculation, launched.plan, self._last_read
         self._last_read = now
+        if previous is not None and plan.decodes:
+            self._slow_steps.observe(now - previous, plan, launched.verified)
         if plan.prefills or len(set(launched.verified)) != 1:
             return
         drafts = launched.verified[0]

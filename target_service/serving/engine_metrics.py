@@ -5,16 +5,15 @@ blocks, 0..1), the prefix cache's queried and hit tokens (counters, so a rate() 
 preemptions, the tokens of each engine step (`iteration_tokens_total`, a histogram built from the
 engine's count of steps by tokens), and the four speculative-decoding counters (accepted tokens by
 draft `position`, every position of K present from the start). Only dflash-serve's, under `dflash:`:
-engine steps and those queued ahead (async scheduling), pool restarts the engine moved onto, each
-layer group's blocks, the Triton kernels compiled before and after the engine was ready, and the
-speculative counters split by the `proposer` that drafted (`dflash`, `ngram`: a hybrid's share).
+engine steps and those queued ahead (async scheduling), steps that kept streams waiting over 250
+ms, pool restarts the engine moved onto, each layer group's blocks, the Triton kernels each of its
+processes compiled before and after it was ready, and the speculative counters split by the
+`proposer` that drafted (`dflash`, `ngram`: a hybrid's share).
 """
 
 from __future__ import annotations
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
-
-from kernels.compile_watch import WATCH
 
 ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)  # vLLM's
 
@@ -60,6 +59,8 @@ class EngineCollector:
              "scheduling)", snapshot.num_steps_ahead),
             ("dflash:pool_recoveries", "Steps that found the pool gone and moved onto its restarted process",
              counters.num_pool_recoveries),
+            ("dflash:engine_slow_steps", "Steps that kept running streams waiting over 250 ms (each is "
+             "logged with what it held)", counters.num_slow_steps),
         ):
             yield self._one(CounterMetricFamily, name, documentation, value)
         yield self._accepted_per_position(stats.accepted_per_position)
@@ -67,7 +68,7 @@ class EngineCollector:
         yield self._iteration_tokens(counters.iteration_tokens)
         yield self._decode_steps(counters.decode_steps_by_drafts)
         yield from self._pool_blocks(pool)
-        yield self._compilations()
+        yield self._compilations(snapshot)
 
     def _accepted_per_position(self, accepted: list[int]):
         """Drafts whose token at `position` (and so every one before it) was accepted."""
@@ -128,15 +129,15 @@ class EngineCollector:
                 family.add_metric([*values, group], value)
             yield family
 
-    def _compilations(self):
-        """Triton kernel specialisations built in this process, before and after the engine was
-        ready: any after ready stalled every stream of the replica while it compiled (the aim: 0)."""
+    def _compilations(self, snapshot):
+        """Triton kernel specialisations each process of the engine built, before and after it was
+        ready (`service`: "in_process", or the Ray service that built them): any after ready stalled
+        every stream of the replica while it compiled (the aim: 0)."""
         family = self._family(CounterMetricFamily, "dflash:kernel_compilations",
-                              "Triton kernels compiled (or loaded from the on-disk cache) in this process, "
-                              "at start-up or while serving", ("phase",))
-        built = WATCH.compilations
-        serving = sum(1 for item in built if item.after_ready)
+                              "Triton kernels compiled (or loaded from the on-disk cache) by a process of "
+                              "the engine, at start-up or while serving", ("service", "phase"))
         values = list(self.labels.values())
-        family.add_metric([*values, "startup"], len(built) - serving)
-        family.add_metric([*values, "serving"], serving)
+        for service, counts in sorted(snapshot.compilations.items()):
+            family.add_metric([*values, service, "startup"], counts.startup)
+            family.add_metric([*values, service, "serving"], len(counts.serving))
         return family

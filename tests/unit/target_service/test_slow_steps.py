@@ -1,0 +1,85 @@
+"""SlowSteps: a step with decodes that took over the threshold is counted and logged with what it held,
+at most one line per interval (with the count since); and the engine feeds it the time from one read
+to the next, so a slow read with streams running shows in its counters."""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+
+from test_engine_bookkeeping import FakeRunner, engine_over
+
+from target_service.engine.sampling_params import SamplingParams
+from target_service.engine.scheduler_output import DecodeWork, PrefillChunk, SchedulerOutput
+from target_service.engine.sequence import Sequence
+from target_service.engine.slow_steps import SlowSteps, describe_step
+
+
+def seq(seq_id: int, prompt_len: int) -> Sequence:
+    return Sequence(f"r{seq_id}", seq_id, list(range(prompt_len)), SamplingParams(max_tokens=4), seq_id)
+
+
+def plan_of(num_decodes: int, chunks: list[tuple[int, int]], drafts: int) -> SchedulerOutput:
+    decodes = [DecodeWork(seq(i, 8), drafts, drafts) for i in range(num_decodes)]
+    prefills = [PrefillChunk(seq(100 + i, start + tokens), start, tokens)
+                for i, (start, tokens) in enumerate(chunks)]
+    return SchedulerOutput(decodes, prefills)
+
+
+def test_a_step_is_described_by_its_decodes_drafts_and_chunks():
+    n, tokens = random.randint(2, 40), random.randint(1000, 4000)
+    plan = plan_of(n, [(0, tokens), (512, 37)], drafts=15)
+    assert describe_step(plan, [15] * n) == (f"{n} decodes (15 drafts each), 2 prefill chunks "
+                                             f"({tokens:,} + 37 tokens, 1 starting past position 0)")
+    assert describe_step(plan_of(3, [], 0), [0, 3, 7]) == "3 decodes (0-7 drafts)"
+
+
+def test_slow_steps_are_counted_each_and_logged_once_per_interval(caplog):
+    now = [0.0]
+    slow = SlowSteps(threshold_s=0.25, log_every_s=10.0, clock=lambda: now[0])
+    plan = plan_of(4, [(0, 2048)], drafts=7)
+    durations = [random.uniform(0.26, 2.0) for _ in range(5)]
+    with caplog.at_level(logging.WARNING, logger="target_service.engine.slow_steps"):
+        slow.observe(0.25, plan, [7] * 4)  # at the threshold: not slow
+        for seconds in durations[:3]:
+            slow.observe(seconds, plan, [7] * 4)
+            now[0] += 1.0
+        now[0] = 12.0
+        for seconds in durations[3:]:
+            slow.observe(seconds, plan, [7] * 4)
+    assert slow.count == 5
+    lines = [record.getMessage() for record in caplog.records]
+    assert len(lines) == 2  # the first, then the first after 10 s, which says how many it stood for
+    assert lines[0] == (f"a step kept the running streams waiting {1e3 * durations[0]:.0f} ms: 4 decodes "
+                        "(7 drafts each), 1 prefill chunks (2,048 tokens)")
+    assert lines[1].startswith(f"a step kept the running streams waiting {1e3 * durations[3]:.0f} ms")
+    assert lines[1].endswith("(2 more since the last report)")
+
+
+class SlowReads(FakeRunner):
+    """Reads the `slow_at`-th step (counting from 1) `delay` seconds late."""
+
+    def __init__(self, slow_at: int, delay: float):
+        super().__init__(accept=lambda seq: 1)
+        self.slow_at, self.delay, self.reads = slow_at, delay, 0
+
+    def read(self, launched):
+        self.reads += 1
+        if self.reads == self.slow_at:
+            time.sleep(self.delay)
+        return super().read(launched)
+
+
+def test_the_engine_counts_a_slow_step_only_when_streams_were_waiting():
+    engine, _ = engine_over(SlowReads(slow_at=1, delay=0.3))  # the first step: a prefill, nobody waits
+    engine.add_request("r", [1, 2, 3], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    while engine.has_unfinished:
+        engine.step()
+    assert engine.counters().num_slow_steps == 0
+    slow_at = random.randint(3, 4)
+    engine, _ = engine_over(SlowReads(slow_at=slow_at, delay=0.3))
+    engine.add_request("r", [1, 2, 3], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    while engine.has_unfinished:
+        engine.step()
+    assert engine.counters().num_slow_steps == 1
