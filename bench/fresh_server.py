@@ -10,7 +10,10 @@ inter-token latency, the longest gap, gaps over 250 ms, and the kernels compiled
 
 Run it in a process of its own with TRITON_CACHE_DIR pointing at an empty directory for the cold
 start (`bench/fresh_server_h200.sh` does). Writes DIR/<name>.json, .md and the gap plot (those of
-`dflash bench serve`), and DIR/<name>_startup.json.
+`dflash bench serve`), and DIR/<name>_startup.json (time to ready, compiles at start-up, and each
+compile after ready with its time since ready and its cause, from this process's compile watch:
+it also counts an engine older than the server's compile metric, which a before-and-after run
+puts under the same client).
 """
 
 from __future__ import annotations
@@ -59,9 +62,12 @@ def main(argv: list[str] | None = None) -> int:
                            device=args.device, dtype=dtype, kv_cache_dtype=args.kv_cache_dtype,
                            max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                            kv_cache_memory=args.kv_cache_memory, admin_port=None)
+    WATCH.install()  # the engine installs it too; an engine from before it did is watched all the same
     started = time.perf_counter()
     with replica_server(serve_args) as (url, _replica):
         ready_s = time.perf_counter() - started
+        WATCH.mark_ready()  # the server answers: what builds from here is on the serving path
+        ready_at = time.monotonic()  # compiles after it are timed from here
         startup = {"mode": args.mode, "ready_s": round(ready_s, 2),
                    "compiled_at_startup": len(WATCH.compilations), "command": " ".join(sys.argv)}
         print(json.dumps(startup), flush=True)
@@ -71,7 +77,8 @@ def main(argv: list[str] | None = None) -> int:
             "--tokenizer-dir", str(target), "--input-len", args.input_len, "--output-len", args.output_len,
             "--metrics-counter", COMPILES, "--metrics-scrapes", "1", "--out", args.out, "--name", name,
             "--no-progress"])
-        startup["compiled_while_serving"] = [WATCH.explain(built) for built in WATCH.after_ready]
+        startup["compiled_while_serving"] = [
+            {"at_s": round(item.at - ready_at, 2), "why": WATCH.explain(item)} for item in WATCH.after_ready]
     (Path(args.out) / f"{name}_startup.json").write_text(json.dumps(startup, indent=1) + "\n")
     return code
 
