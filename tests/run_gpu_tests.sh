@@ -19,7 +19,8 @@ if [ -f .devray/ray-slim.tar.xz ]; then  # a core-only Ray (../shared/tools/devi
 fi
 if compgen -G ".whl/*.whl" > /dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-        .whl/*.whl $(compgen -G ".devray/*.whl") || exit 1
+        .whl/*.whl $(for w in .devray/*.whl; do [ -f "$w" ] && [ ! -f ".whl/${w##*/}" ] && echo "$w"; done) \
+        || exit 1  # a wheel in both folders once: pip refuses a package named twice
     export PYTHONPATH=/tmp/site:$PWD
 fi
 export PYTHONUNBUFFERED=1
