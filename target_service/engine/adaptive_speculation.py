@@ -9,11 +9,16 @@ The k with the most tokens per second is taken (`best_k`). At batch 1 on a GPU t
 weights once whatever k, so k stays high; at a large batch the verify is compute-bound, and rows
 unlikely to be accepted are no longer worth their cost.
 
-Step times are measured, not modelled (`StepClock`). A k not measured at a batch bucket yet is
-estimated optimistically from one that is: a smaller k as if time scaled with the rows verified, a
-larger one as costing no more; so each k is tried where it could win, and its measurement decides
-after that. Every `explore_every` steps at a bucket the candidate measured longest ago is taken
-once, so a stale or unlucky measurement is corrected (one step in explore_every may be off the best).
+Step times are measured, not modelled (`StepClock`). A k's time is a low quantile of its latest
+intervals (`step_seconds`): a slow interval (warm-up, a first graph replay, a GC pause) is an
+outlier upward only. A k not measured at a batch bucket yet, or measured fewer than
+`SETTLED_INTERVALS` times, is weighed at the least it could cost given the others (`least_seconds`:
+no less than a smaller k, no less than a larger one scaled by rows verified), or its own time if
+that is lower; so each k is tried where it could win, and only a settled measurement rules it out.
+Without that, one slow first interval of K at batch 1 (where every k costs alike) made K look
+slower than k 3 and 7 and kept it out until the next exploration (bench/results/adaptive_h200.md).
+Every `explore_every` steps at a bucket the candidate measured longest ago is taken once, so a stale
+measurement is corrected (one step in explore_every may be off the best).
 
 Lossless: verifying fewer drafts changes which drafts are checked, never what the target emits.
 """
@@ -30,6 +35,8 @@ SERVER_HALF_LIFE = 2048.0  # verifies (rows x steps) over which the server's cur
 REQUEST_HALF_LIFE = 64.0  # ... one request's
 REQUEST_PRIOR_WEIGHT = 8.0  # trials of the server's curve that a request's own counts start from
 EXPLORE_EVERY = 64
+SETTLED_INTERVALS = 3  # intervals of a k before its own time may rule it out
+STEP_QUANTILE = 0.25  # of a k's intervals: its time (low, as slow outliers are upward only)
 
 
 def default_choices(num_speculative_tokens: int) -> tuple[int, ...]:
@@ -55,30 +62,51 @@ def step_tokens(rows: Sequence[RowOutlook], k: int) -> float:
 
 
 def best_k(rows: Sequence[RowOutlook], choices: Sequence[int],
-           seconds: Callable[[int], float | None]) -> int:
+           seconds: Callable[[int], float | None],
+           settled: Callable[[int], bool] = lambda k: True) -> int:
     """The choice with the most expected tokens per second; without any time known, the largest.
-    A tie keeps the larger k (no fewer tokens per step for the same time)."""
+    A k measured but not `settled` (too few intervals to rule it out) is weighed at the least it
+    could cost, if lower than its own time. A tie keeps the larger k (no fewer tokens per step for
+    the same time)."""
     known = {k: seconds(k) for k in choices}
     measured = {k: t for k, t in known.items() if t is not None and t > 0}
     if not measured:
         return max(choices)
     best, best_rate = None, -1.0
     for k in sorted(choices, reverse=True):
-        t = measured.get(k) or optimistic_seconds(k, measured)
-        rate = step_tokens(rows, k) / t
+        rate = step_tokens(rows, k) / weighed_seconds(k, measured, settled(k))
         if rate > best_rate * (1 + 1e-12):
             best, best_rate = k, rate
     return best
 
 
-def optimistic_seconds(k: int, measured: dict[int, float]) -> float:
-    """A k not measured: from the nearest measured k' above it, as if time scaled with rows
-    (k + 1) / (k' + 1); with none above, as the largest measured one below costs."""
-    above = [other for other in measured if other > k]
-    if above:
-        nearest = min(above)
-        return measured[nearest] * (k + 1) / (nearest + 1)
-    return measured[max(measured)]
+def weighed_seconds(k: int, measured: dict[int, float], settled: bool) -> float:
+    """The time best_k weighs for k: its own once settled; before, the lower of its own (if any)
+    and the least it could cost given the others, so an unlucky first interval cannot rule it out."""
+    own = measured.get(k)
+    if own is not None and settled:
+        return own
+    floor = least_seconds(k, {other: t for other, t in measured.items() if other != k})
+    if floor is None:
+        return own
+    return floor if own is None else min(own, floor)
+
+
+def least_seconds(k: int, others: dict[int, float]) -> float | None:
+    """The least a step verifying k drafts per row could cost, given other k's times (None: none):
+    no less than a smaller k's (more drafts never cost less), no less than a larger k''s scaled by
+    rows (k + 1) / (k' + 1) (a step's time grows at most in proportion to the rows it verifies)."""
+    bounds = [t if other < k else t * (k + 1) / (other + 1) for other, t in others.items()]
+    return max(bounds, default=None)
+
+
+def step_seconds(intervals: Sequence[float]) -> float | None:
+    """A k's time from its intervals: the order statistic of rank round(q (n + 1)), whose expected
+    quantile is q whatever n, so k's with few and many intervals compare alike; None without any."""
+    if not intervals:
+        return None
+    rank = min(len(intervals), max(1, round(STEP_QUANTILE * (len(intervals) + 1))))
+    return sorted(intervals)[rank - 1]
 
 
 class AdaptiveSpeculation:
@@ -118,7 +146,9 @@ class AdaptiveSpeculation:
         if count % self.explore_every == 0:
             k = min(self.choices, key=lambda choice: self.clock.last_recorded(num_seqs, choice))
         else:
-            k = best_k(rows, self.choices, lambda choice: self.clock.estimate(num_seqs, choice))
+            intervals = {choice: self.clock.intervals(num_seqs, choice) for choice in self.choices}
+            k = best_k(rows, self.choices, lambda choice: step_seconds(intervals[choice]),
+                       lambda choice: len(intervals[choice]) >= SETTLED_INTERVALS)
         self.steps_by_k[k] += 1
         return k
 

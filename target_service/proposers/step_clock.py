@@ -11,6 +11,8 @@ prompt moves it little.
 
 `step_begins` measures the interval from one call to the next (the hybrid proposer calls it at every
 propose); `record` files one measured elsewhere (the engine, between two steps it ran back to back).
+`intervals` hands out the window itself, for a caller that must also know how many intervals an
+estimate rests on (adaptive speculation: one slow first interval must not decide).
 """
 
 from __future__ import annotations
@@ -54,6 +56,10 @@ class StepClock:
         """Seconds a step of this kind and batch size takes (None: not measured yet)."""
         intervals = self._intervals.get((kind, batch_bucket(num_seqs)))
         return statistics.median(intervals) if intervals else None
+
+    def intervals(self, num_seqs: int, kind: Hashable) -> tuple[float, ...]:
+        """The latest intervals of this kind and batch size, oldest first (at most WINDOW)."""
+        return tuple(self._intervals.get((kind, batch_bucket(num_seqs)), ()))
 
     def last_recorded(self, num_seqs: int, kind: Hashable) -> int:
         """The serial of this key's latest interval (0: never): which measurement is the oldest."""

@@ -12,10 +12,12 @@ from fake_pool import FakePool
 
 from target_service.engine.acceptance_curve import AcceptanceCurve, expected_from_rates
 from target_service.engine.adaptive_speculation import (
+    SETTLED_INTERVALS,
     AdaptiveSpeculation,
     RowOutlook,
     best_k,
     default_choices,
+    step_seconds,
 )
 from target_service.engine.draft_budget import DraftBudget
 from target_service.engine.sampling_params import SamplingParams
@@ -115,12 +117,29 @@ def test_an_unmeasured_k_is_tried_where_it_could_win_and_then_its_measurement_de
     assert best_k(weak, (0, 3, 7), measured.get) in (3, 7)
 
 
+def test_one_slow_first_interval_does_not_rule_a_k_out_until_it_settles():
+    strong = [RowOutlook(expected_from_rates([0.9] * 7), 7)]
+    measured = {7: 3.0, 3: 1.0}  # K's one interval three times slow (warm-up); 3 at its true 1.0
+    unsettled = {7: False, 3: True}
+    assert best_k(strong, (3, 7), measured.get, unsettled.get) == 7  # K weighed at least as 3 costs
+    assert best_k(strong, (3, 7), measured.get) == 3  # settled, the measurement decides
+
+
+def test_a_k_is_timed_by_a_low_order_statistic_of_its_intervals():
+    intervals = [random.uniform(1.0, 2.0) for _ in range(random.randint(7, 15))]
+    rank = round(0.25 * (len(intervals) + 1))
+    assert step_seconds(intervals) == sorted(intervals)[rank - 1]
+    assert step_seconds([*intervals, 100.0]) <= sorted(intervals)[rank]  # an outlier moves it <= 1 rank
+    assert step_seconds([5.0]) == 5.0 and step_seconds([]) is None
+
+
 def test_every_explore_every_th_step_takes_the_choice_measured_longest_ago():
     now = [0.0]
     speculation = AdaptiveSpeculation(7, (0, 3, 7), clock=StepClock(lambda: now[0]), explore_every=4)
     strong = [speculation.outlook(None, 7)]
-    for k, seconds in ((7, 1.0), (3, 1.0), (0, 1.0)):
-        speculation.step_took(1, k, seconds)  # 7 measured longest ago, then 3, then 0
+    for _ in range(SETTLED_INTERVALS):  # settled, so measurements alone decide between explorations
+        for k in (7, 3, 0):
+            speculation.step_took(1, k, 1.0)  # 7 measured longest ago, then 3, then 0
     picks = [speculation.choose(strong) for _ in range(8)]
     assert picks[3] == 7  # the 4th step explores the oldest measurement
     assert [picks[i] for i in (0, 1, 2, 4, 5, 6)] == [best_k(strong, (0, 3, 7), lambda k: 1.0)] * 6
