@@ -105,6 +105,6 @@ def add_proposer_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--adaptive-speculation", action=argparse.BooleanOptionalAction, default=None,
                         help="each step verifies the number of drafts (0..K) with the most tokens per "
                              "second, from acceptance measured per draft position and step times measured "
-                             "online (dflash only; default: off)")
+                             "online (dflash only; default: on on a GPU unless -k pins K, off on a CPU)")
     parser.add_argument("--prompt-lookup-min", type=int, default=1, help="shortest n-gram lookup matches")
     parser.add_argument("--prompt-lookup-max", type=int, default=3, help="longest n-gram lookup matches")

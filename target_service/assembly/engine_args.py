@@ -28,8 +28,8 @@ class EngineArgs(BaseModel):
     # who drafts: "dflash" (the drafter), "ngram" (prompt lookup, no drafter), "hybrid" (per sequence
     # and step, the better of the two); None: dflash when a drafter is given, plain decoding otherwise
     speculative_method: Literal["dflash", "ngram", "hybrid"] | None = None
-    # each step verifies the k (0..K) drafts that maximise tokens per second (DFlash only); None: off
-    # until it is measured on a GPU (plan.adaptive_speculation)
+    # each step verifies the k (0..K) drafts that maximise tokens per second (DFlash only); None: on
+    # on a GPU unless num_speculative_tokens pins K, off on a CPU (plan.adaptive_speculation)
     adaptive_speculation: bool | None = None
     prompt_lookup_min: int = Field(1, ge=1)  # the shortest n-gram prompt lookup matches
     prompt_lookup_max: int = Field(3, ge=1)  # ... and the longest (tried first)

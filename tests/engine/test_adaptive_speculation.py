@@ -66,14 +66,16 @@ def test_a_requests_own_draft_limit_caps_only_its_counts_and_changes_no_token(tm
             llm.close()
 
 
-def test_the_plan_adapts_only_when_asked_and_only_for_dflash(tmp_path):
+def test_the_plan_adapts_by_default_on_a_gpu_unless_k_is_pinned_and_only_for_dflash(tmp_path):
     target, drafter = map(str, make_pair(tmp_path, block_size=8))
 
     def plan(**fields):
         return resolve_plan(EngineArgs(target=target, **fields), cuda_devices=1)
 
-    assert not plan(drafter=drafter, device="cuda").adaptive_speculation  # off until measured on a GPU
-    assert plan(drafter=drafter, device="cuda").speculation_choices == (7,)
+    assert plan(drafter=drafter, device="cuda").speculation_choices == (0, 1, 3, 7)  # on by default
+    assert plan(drafter=drafter, device="cuda", num_speculative_tokens=7).speculation_choices == (7,)  # -k
+    assert plan(drafter=drafter, device="cuda", adaptive_speculation=False).speculation_choices == (7,)
+    assert plan(drafter=drafter, device="cpu").speculation_choices == (7,)  # nothing measured on a CPU
     assert plan(drafter=drafter, device="cuda", adaptive_speculation=True).speculation_choices == (0, 1, 3, 7)
     assert plan(drafter=drafter, device="cpu", num_speculative_tokens=5,
                 adaptive_speculation=True).speculation_choices == (0, 1, 3, 5)
