@@ -36,3 +36,7 @@ for run in "k15:--num-speculative-tokens 15 --no-adaptive-speculation --modes pl
     echo "$name: bench exit $?"
     tail -n 12 "$OUT/adaptive_$name.log"
 done
+# The three side by side: per case each run's ms, tok/s and acceptance, adaptive over the better fixed K.
+python3 -m dflash_cli.bench.step_compare "$OUT"/adaptive_h200_k15.json "$OUT"/adaptive_h200_k7.json \
+    "$OUT"/adaptive_h200_adaptive.json --out "$OUT" --name adaptive_h200 > /dev/null \
+    && echo "side by side: $OUT/adaptive_h200.md"

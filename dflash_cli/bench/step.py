@@ -160,8 +160,9 @@ def main(argv: list[str] | None = None) -> None:
         llm = make_llm(mode, max(args.batch_sizes), args.kv_cache_memory)
         engine = llm.engine
         k, vocab = engine.num_speculative_tokens, llm.assembly.runner.vocab_size
-        if mode == "dflash":
+        if mode == "dflash":  # as the engine runs (adaptive is on by default on a GPU), not as asked
             result["num_speculative_tokens"] = k
+            result["adaptive_speculation"] = llm.assembly.plan.adaptive_speculation
         result[f"{mode}_pool_blocks"] = engine.pool_limits.num_blocks
         with acceptance():
             for context in args.contexts:
