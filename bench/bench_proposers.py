@@ -59,8 +59,9 @@ RESULTS = Path(__file__).resolve().parent / "results"
 # ---- measuring ----------------------------------------------------------------------------------
 
 class ChoiceMeter:
-    """Wraps a hybrid engine's proposer: time inside its propose and inside its DFlash drafter's
-    propose (the difference is what choosing costs), steps, and who drafted each row per request."""
+    """Wraps a hybrid engine's proposer: time inside its propose and inside its DFlash drafter's calls
+    made from there (its propose, and the store of context deferred from lookup-only steps just
+    before it; the difference is what choosing costs), steps, and who drafted each row per request."""
 
     def __init__(self, llm: LLM, clock):
         proposer = llm.assembly.runner.drafter
@@ -68,16 +69,23 @@ class ChoiceMeter:
             raise TypeError(f"not a hybrid engine: its proposer is {type(proposer).__name__}")
         self.clock = clock
         self.reset()
-        propose, dflash_propose = proposer.propose, proposer.dflash.propose
+        propose, dflash = proposer.propose, proposer.dflash
+        inside = [False]  # in the hybrid's propose: the drafter's calls from there are the drafter's time
 
-        def timed_dflash(*args):
-            started = clock()
-            dflash_propose(*args)
-            self.dflash_s += clock() - started
+        def timed_dflash(call):
+            def timed_call(*args):
+                started = clock()
+                call(*args)
+                if inside[0]:
+                    self.dflash_s += clock() - started
+            return timed_call
 
         def timed(*args):
-            started = clock()
-            propose(*args)
+            started, inside[0] = clock(), True
+            try:
+                propose(*args)
+            finally:
+                inside[0] = False
             self.hybrid_s += clock() - started
             self.steps += 1
             for seq, source in zip(proposer.staged, proposer.sources):
@@ -85,7 +93,9 @@ class ChoiceMeter:
                 rows[0] += source == NGRAM
                 rows[1] += 1
 
-        proposer.dflash.propose, proposer.propose = timed_dflash, timed
+        for name in ("propose", "store_context", "settle"):
+            setattr(dflash, name, timed_dflash(getattr(dflash, name)))
+        proposer.propose = timed
 
     def reset(self) -> None:
         self.hybrid_s = self.dflash_s = 0.0

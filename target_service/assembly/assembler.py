@@ -101,7 +101,7 @@ class TargetAssembler:
                               max_num_batched_tokens=plan.args.max_num_batched_tokens,
                               draft_budget=plan.draft_budget(),
                               max_prefill_tokens_with_decodes=plan.args.max_prefill_tokens_with_decodes,
-                              speculation=speculation)
+                              speculation=speculation, before_release=self.runner.before_release)
         stop_checker = StopChecker(self.checkpoint.eos_token_ids, self.checkpoint.tokenizer)
         tokenizer = self.checkpoint.tokenizer
         grammars = (GrammarVocabulary(tokenizer, self.checkpoint.eos_token_ids, self.runner.vocab_size)

@@ -315,11 +315,12 @@ class LLMEngine:
         return finished
 
     def _time_step(self, launched: LaunchedStep) -> None:
-        """Count a decode-only step by its drafts per sequence. Adaptive speculation learns what a
-        step costs from the steps the engine runs: the time from one read to the next is the step in
-        between, when it only decoded (a prefill chunk's time is not the verify's), every sequence
-        verified one k, and it followed the one before without an idle gap. Any step with decodes that
-        took too long is a gap its streams saw: `SlowSteps` counts and names it."""
+        """Count a decode-only step by its drafts per sequence. Adaptive speculation and the hybrid
+        proposer learn what a step costs from the steps the engine runs: the time from one read to
+        the next is the step in between, when it only decoded (a prefill chunk's time is not the
+        verify's), every sequence verified one k, and it followed the one before without an idle
+        gap. Any step with decodes that took too long is a gap its streams saw: `SlowSteps` counts
+        and names it."""
         now = time.perf_counter()
         speculation, plan, previous = self._scheduler.speculation, launched.plan, self._last_read
         self._last_read = now
@@ -329,8 +330,11 @@ class LLMEngine:
             return
         drafts = launched.verified[0]
         self._decode_steps_by_drafts[drafts] += 1
-        if speculation is not None and previous is not None:
+        if previous is None:
+            return
+        if speculation is not None:
             speculation.step_took(len(plan.decodes), drafts, now - previous)
+        self._runner.step_took(launched, now - previous)
 
     def _isolated(self, seq: Sequence, work: Callable[..., None], *args) -> None:
         """Run one sequence's part of the step; should it raise, that sequence alone fails. The

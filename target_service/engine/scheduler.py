@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import logging
+from collections.abc import Callable
 
 from kvpool_service.control import CommitRequest, OpenRequest, ReserveRequest
 from kvpool_service.errors import PoolExhausted
@@ -28,18 +29,23 @@ logger = logging.getLogger(__name__)
 class Scheduler:
     def __init__(self, pool, *, max_num_seqs: int, max_num_batched_tokens: int, draft_budget: DraftBudget,
                  max_prefill_tokens_with_decodes: int | None = None,
-                 speculation: AdaptiveSpeculation | None = None):
+                 speculation: AdaptiveSpeculation | None = None,
+                 before_release: Callable[[], None] | None = None):
         """max_prefill_tokens_with_decodes: prompt tokens one step prefills while it also decodes or
         verifies (None: the rest of max_num_batched_tokens). Every running stream waits for the step,
         so a long prompt's chunk beside them is a gap in each of their streams.
 
-        speculation: how many drafts each step verifies (None: K, always)."""
+        speculation: how many drafts each step verifies (None: K, always).
+
+        before_release: called before any sequence's pages go back to the pool (it finished, was
+        aborted or preempted), while they are still its own: the runner's `before_release`."""
         self.pool = pool
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_prefill_tokens_with_decodes = max_prefill_tokens_with_decodes
         self.draft_budget = draft_budget
         self.speculation = speculation
+        self.before_release = before_release
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -177,7 +183,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         logger.info("preempting request %s (recompute) to free pages", seq.request_id)
-        self.pool.close([seq.seq_id])
+        self._close([seq])
         self.num_preemptions += 1
         self.running.remove(seq)
         seq.reset_for_recompute()
@@ -255,14 +261,19 @@ class Scheduler:
         if seq in self.waiting:
             self.waiting.remove(seq)
         elif seq in self.running:
-            self.pool.close([seq.seq_id])
+            self._close([seq])
             self.running.remove(seq)
         seq.status = SequenceStatus.FINISHED
 
     def finish(self, seqs: list[Sequence]) -> None:
         if not seqs:
             return
-        self.pool.close([seq.seq_id for seq in seqs])
+        self._close(seqs)
         for seq in seqs:
             self.running.remove(seq)
             seq.status = SequenceStatus.FINISHED
+
+    def _close(self, seqs: list[Sequence]) -> None:
+        if self.before_release is not None:
+            self.before_release()
+        self.pool.close([seq.seq_id for seq in seqs])

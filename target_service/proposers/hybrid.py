@@ -4,11 +4,15 @@ Each wins where the other loses: DFlash on text like its training data, the look
 copies (its prompt, or itself). Each step, before anything is drafted, `choose_step` weighs the
 expected tokens per second of a step with the DFlash drafter (each row verifying the better of its
 two proposals) against one without it (every row on the lookup), from what each proposer is
-expected to get accepted (below) and what such steps have cost on this machine (`StepClock`). A step
-without the drafter skips it: that is where the lookup's speed comes from.
+expected to get accepted (below) and what such steps have cost on this machine (`StepClock`: the
+engine hands each decode step's time to `step_took`, filed under whether that step ran the drafter).
+A step without the drafter skips it: that is where the lookup's speed comes from.
 
-The draft context stays whole whichever proposer drafted: the verify stores every accepted
-position's context (`store_context`, every step), so DFlash can take over at any step.
+The draft context stays whole whichever proposer drafted: every accepted position's context is
+stored from the verify's taps, so DFlash can take over at any step. A step that skipped the drafter
+defers its store (`DeferredContext`): nothing reads the context until the drafter next runs, so the
+held rows are stored together just before that, before any sequence's pages are released (the
+engine's scheduler calls `before_release`), or when the next step's rows would not fit.
 
 "Expected accepted" is learned from what each sequence emitted. After a step, a sequence's new
 tokens are the accepted drafts plus the target's next token, so:
@@ -27,17 +31,21 @@ All sequences still verify in one forward with one K (the uniform step): only th
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 
-from drafter_service.control import DraftControl
+from drafter_service.control import DraftControl, DrafterUnavailable
 from drafter_service.step_buffers import StepBuffers
 from foundation.host_transfer import to_device
+from target_service.proposers.deferred_context import DeferredContext
 from target_service.proposers.hybrid_choice import RowOutlook, choose_step
 from target_service.proposers.ngram import NgramLookups
 from target_service.proposers.step_clock import StepClock
 from target_service.proposers.token_proposer import DFLASH, NGRAM, TokenProposer
+
+logger = logging.getLogger(__name__)
 
 RECENT = 0.5  # the newest step's weight in a sequence's score
 RECENT_OVERALL = 0.1  # ... in the score over all sequences
@@ -80,11 +88,49 @@ class HybridProposer(TokenProposer):
         self.min_match = min_match
         self.clock = clock or StepClock()
         self.overall = _Scores()
+        self._ran_drafter: bool | None = None  # the last propose's choice, until its step is timed
+        self.deferred = DeferredContext(step_buffers)
+        self._lookup_only_rows: int | None = None  # the rows of this step's store, if it may be deferred
         self._drafted: dict[int, _Drafted] = {}
         self._scores: dict[int, _Scores] = {}
 
     def store_context(self, num_rows: int) -> None:
+        """Defer a lookup-only step's rows: exactly its drafting rows' blocks (a step that also
+        prefilled, or whose rows did not all draft, stores at once). Otherwise store them, and
+        everything held, now."""
+        deferrable, self._lookup_only_rows = self._lookup_only_rows == num_rows, None
+        if deferrable and self.deferred.has_room(num_rows):
+            self.deferred.take(self.step_buffers, num_rows, self.staged)
+            return
         self.dflash.store_context(num_rows)
+        self._store_deferred()
+
+    def before_release(self) -> None:
+        """Some sequence's pages go back to the pool now: store what is held while its slots are
+        still its own (and its blocks, matchable as cached, get their context)."""
+        try:
+            self._store_deferred()
+        except DrafterUnavailable as error:  # the owners were marked; the release goes on
+            logger.warning("drafter unavailable while storing deferred context (%s)", error)
+
+    def drop_deferred(self) -> None:
+        """The pool restarted: the held rows' slots were the old pool's, and their sequences are
+        recomputed."""
+        self.deferred.clear()
+
+    def _store_deferred(self) -> None:
+        if not self.deferred.count:
+            return
+        owners = list(self.deferred.owners.values())
+        try:
+            self.dflash.settle()  # the context side may still be read by the store before
+            num_rows, _ = self.deferred.stage(self.step_buffers)
+            self.dflash.store_context(num_rows)
+        except DrafterUnavailable:
+            self.deferred.clear()
+            for seq in owners:  # their context has a gap: they decode plainly until recomputed
+                seq.has_context = False
+            raise
 
     def settle(self) -> None:
         self.dflash.settle()
@@ -98,8 +144,10 @@ class HybridProposer(TokenProposer):
         outlooks = [self._outlook(seq, match, num_draft) for seq, match in zip(seqs, matches)]
         times = self.clock.estimate(num_seqs, True), self.clock.estimate(num_seqs, False)
         choice = choose_step(outlooks, *times)
-        self.clock.step_begins(num_seqs, choice.run_drafter)
+        self._ran_drafter = choice.run_drafter
+        self._lookup_only_rows = None if choice.run_drafter else num_seqs * (num_draft + 1)
         if choice.run_drafter:
+            self._store_deferred()  # the drafter reads the whole context
             self.dflash.propose(num_seqs, num_draft, num_block_cols)
         lookup_rows = set(choice.lookup_rows)
         self.sources = [NGRAM if row in lookup_rows else DFLASH for row in range(num_seqs)]
@@ -107,6 +155,12 @@ class HybridProposer(TokenProposer):
             self._drafted[seq.seq_id] = _Drafted(source, seq.num_computed + 1, match.tokens)
         if lookup_rows:
             self._write(sorted(lookup_rows), [matches[row].tokens for row in sorted(lookup_rows)], num_draft)
+
+    def step_took(self, num_seqs: int, seconds: float) -> None:
+        """The step of the last propose took `seconds`: filed under whether it ran the drafter."""
+        if self._ran_drafter is not None:
+            self.clock.record(num_seqs, self._ran_drafter, seconds)
+            self._ran_drafter = None
 
     def _outlook(self, seq, match, num_draft: int) -> RowOutlook:
         scores = self._scores.get(seq.seq_id, _Scores())

@@ -6,21 +6,21 @@ verify, a lookup that accepts a little less still emits more per second); adapti
 what it costs to verify k drafts per row. What a step costs depends on the machine, the batch and
 the context, so it is measured rather than modelled: an interval is filed under its kind (whether
 the drafter ran; the k verified) and the batch's size rounded up to a power of two. The estimate is
-the median of the latest `WINDOW` intervals, so an idle gap or a step that also prefilled a long
-prompt moves it little.
+the median of the latest `WINDOW` intervals, so one disturbed step (other work on the host, a
+garbage collection) moves it little.
 
-`step_begins` measures the interval from one call to the next (the hybrid proposer calls it at every
-propose); `record` files one measured elsewhere (the engine, between two steps it ran back to back).
-`intervals` hands out the window itself, for a caller that must also know how many intervals an
-estimate rests on (adaptive speculation: one slow first interval must not decide).
+Intervals are measured by the engine, from one step's read to the next's, and only for steps that
+decoded and followed the one before without an idle gap (`record`): an interval that spans the time
+between two requests, or a prefill's, is not what a decode step of its kind costs. `intervals` hands
+out the window itself, for a caller that must also know how many intervals an estimate rests on
+(adaptive speculation: one slow first interval must not decide).
 """
 
 from __future__ import annotations
 
 import statistics
-import time
 from collections import deque
-from collections.abc import Callable, Hashable
+from collections.abc import Hashable
 
 WINDOW = 15  # intervals kept per (kind, batch size)
 
@@ -31,20 +31,10 @@ def batch_bucket(num_seqs: int) -> int:
 
 
 class StepClock:
-    def __init__(self, clock: Callable[[], float] = time.perf_counter):
-        self.clock = clock
+    def __init__(self):
         self._intervals: dict[tuple[Hashable, int], deque[float]] = {}
         self._recorded_at: dict[tuple[Hashable, int], int] = {}  # key -> the serial of its latest interval
         self._serial = 0
-        self._open: tuple[float, Hashable, int] | None = None  # the step since the last step_begins
-
-    def step_begins(self, num_seqs: int, kind: Hashable) -> None:
-        """A step of `kind` for `num_seqs` rows starts now: the step before it has ended."""
-        now = self.clock()
-        if self._open is not None:
-            started, previous_kind, previous_seqs = self._open
-            self.record(previous_seqs, previous_kind, now - started)
-        self._open = (now, kind, num_seqs)
 
     def record(self, num_seqs: int, kind: Hashable, seconds: float) -> None:
         key = (kind, batch_bucket(num_seqs))

@@ -11,7 +11,8 @@ Reading host tokens means a step cannot be launched from the device results of t
 (those tokens are not on the host yet): an engine with a token proposer schedules step by step.
 
 After `propose`, `sources` names the proposer of each staged row, in order: the engine counts each
-step's drafts and acceptance under it (`SpecDecodeStats.by_proposer`).
+step's drafts and acceptance under it (`SpecDecodeStats.by_proposer`). After the step, `step_took`
+hands it the step's time.
 """
 
 from __future__ import annotations
@@ -53,3 +54,14 @@ class TokenProposer(ABC):
 
     @abstractmethod
     def propose(self, num_seqs: int, num_draft: int, num_block_cols: int) -> None: ...
+
+    def before_release(self) -> None:  # noqa: B027 (a hook; a proposer without deferred work has none)
+        """Some sequence's pages are about to go back to the pool: anything that still writes into
+        them (a deferred context store) must be done now."""
+
+    def drop_deferred(self) -> None:  # noqa: B027 (likewise)
+        """The pool restarted: forget anything held for the old pool's pages."""
+
+    def step_took(self, num_seqs: int, seconds: float) -> None:  # noqa: B027 (likewise)
+        """The step of the last `propose` took `seconds` (the engine times decode steps that ran back
+        to back): for a proposer whose choice weighs what steps cost. Most do not."""

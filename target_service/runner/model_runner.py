@@ -95,6 +95,14 @@ class ModelRunner:
     def rebind(self, target_caches, graphs: TargetGraphs | None) -> None:
         """Run over a restarted pool's pages (and graphs captured over them) from now on."""
         self.target_caches, self.graphs = target_caches, graphs
+        if isinstance(self.drafter, TokenProposer):
+            self.drafter.drop_deferred()
+
+    def before_release(self) -> None:
+        """The scheduler is about to hand some sequence's pages back to the pool: a proposer that
+        holds context to store into them stores it now."""
+        if isinstance(self.drafter, TokenProposer):
+            self.drafter.before_release()
 
     def swap_drafter(self, drafter: DraftControl | None) -> DraftControl | None:
         """Propose with `drafter` from the next step on (a prompt-lookup double, or None for plain
@@ -189,6 +197,12 @@ class ModelRunner:
         self._store_context(batch, output.taps, plan, rows, accepted)
         return LaunchedStep(plan, verified, max_accepted, rows, targets, accepted, readback, failed, logprobs,
                             proposers)
+
+    def step_took(self, launched: LaunchedStep, seconds: float) -> None:
+        """A decode-only step that followed the one before without a gap took `seconds`: a token
+        proposer that weighs what steps cost (the hybrid) learns it, for a step it drafted."""
+        if isinstance(self.drafter, TokenProposer) and any(launched.proposers):
+            self.drafter.step_took(len(launched.plan.decodes), seconds)
 
     # ---- the drafter ------------------------------------------------------------------------------
 

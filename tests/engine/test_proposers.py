@@ -13,6 +13,8 @@ from ngram_reference import common_prefix, search_from_scratch
 
 from target_service.engine.sampling_params import SamplingParams
 from target_service.llm import LLM
+from target_service.proposers import hybrid
+from target_service.proposers.hybrid_choice import StepChoice
 
 SETTINGS = dict(kv_cache_memory="4MiB", tokens_per_block=16, max_num_seqs=8, max_model_len=160)
 GREEDY = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
@@ -160,6 +162,67 @@ def test_hybrid_keeps_the_drafters_context_whole(tmp_path):
     common = recorded["hybrid"].keys() & recorded["dflash"].keys()
     after_lookup = [key for key in common if key[0] in lookup_from and key[1] > lookup_from[key[0]]]
     assert after_lookup, "no position after a lookup step was drafted by both"
+    for key in common:
+        assert recorded["hybrid"][key] == recorded["dflash"][key], key
+
+
+def scripted_choice(cycle: int):
+    """A hybrid choice that skips the drafter for cycle - 1 steps, then runs it (every row on DFlash):
+    the context of those lookup-only steps is deferred, and stored just before DFlash reads it."""
+    calls = iter(range(10**9))
+
+    def choose(rows, time_with, time_without):
+        if next(calls) % cycle == cycle - 1:
+            return StepChoice(True, ())
+        return StepChoice(False, tuple(range(len(rows))))
+    return choose
+
+
+@pytest.mark.parametrize("kv_cache_memory", ["4MiB", "256KiB"])
+def test_deferred_context_is_whole_when_dflash_reads_it_and_when_pages_go_back(tmp_path, monkeypatch,
+                                                                              kv_cache_memory):
+    """The context of lookup-only steps is held and stored later; DFlash must still read exactly a
+    DFlash-only engine's context at every position both reach: after deferred steps (stored before
+    it drafts), in a second round whose prompts continue the first round's outputs (their blocks are
+    prefix hits whose context was held when the first round's sequences finished: stored before
+    their pages went back), and, in a pool too small for the batch, across preemption."""
+    monkeypatch.setattr(hybrid, "choose_step", scripted_choice(int(torch.randint(3, 6, ()).item())))
+    target, drafter = make_pair(tmp_path)
+    settings = {**SETTINGS, "kv_cache_memory": kv_cache_memory}
+    prompts = repeating_prompts(4, 160) + random_prompts(2, 160)
+    recorded, held = {}, []
+    for method in ("hybrid", "dflash"):
+        llm = LLM(target, drafter, speculative_method=method, num_speculative_tokens=5, **settings)
+        runner = llm.assembly.runner
+        proposer = runner.drafter
+        recorder = PositionRecorder(proposer.dflash if method == "hybrid" else proposer, runner.step_buffers,
+                                    llm.engine)
+        if method == "hybrid":
+            proposer.dflash = recorder
+            take = proposer.deferred.take
+
+            def counting(buffers, num_rows, owners, take=take):
+                held.append(num_rows)
+                take(buffers, num_rows, owners)
+            proposer.deferred.take = counting
+        else:
+            runner.swap_drafter(recorder)
+        try:
+            first = outputs(llm, prompts)
+            assert first == plain(target, prompts, GREEDY)
+            continued = [prompt + out[:24] for prompt, out in zip(prompts, first)]
+            assert outputs(llm, continued) == plain(target, continued, GREEDY)
+            preempted = llm.engine.counters().num_preemptions
+            if method == "hybrid":
+                assert proposer.deferred.count == 0  # everything held went in before the pages went back
+        finally:
+            llm.close()
+        recorded[method] = recorder.proposals
+        assert (preempted > 0) == (kv_cache_memory == "256KiB"), preempted
+    assert held, "no step's context was deferred: the test shows nothing"
+    common = recorded["hybrid"].keys() & recorded["dflash"].keys()
+    continued_keys = {tuple(prompt) for prompt in continued}
+    assert any(key[0] in continued_keys for key in common), "DFlash never drafted a continued prompt in both"
     for key in common:
         assert recorded["hybrid"][key] == recorded["dflash"][key], key
 

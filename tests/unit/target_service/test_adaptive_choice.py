@@ -134,8 +134,7 @@ def test_a_k_is_timed_by_a_low_order_statistic_of_its_intervals():
 
 
 def test_every_explore_every_th_step_takes_the_choice_measured_longest_ago():
-    now = [0.0]
-    speculation = AdaptiveSpeculation(7, (0, 3, 7), clock=StepClock(lambda: now[0]), explore_every=4)
+    speculation = AdaptiveSpeculation(7, (0, 3, 7), clock=StepClock(), explore_every=4)
     strong = [speculation.outlook(None, 7)]
     for _ in range(SETTLED_INTERVALS):  # settled, so measurements alone decide between explorations
         for k in (7, 3, 0):

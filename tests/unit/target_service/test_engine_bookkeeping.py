@@ -45,6 +45,7 @@ class FakeRunner:
 
     def __init__(self, accept=lambda seq: 0, errors=()):
         self.accept, self.errors, self.launched = accept, list(errors), []
+        self.timed: list[SchedulerOutput] = []  # the plans whose step the engine timed (step_took)
 
     def make_generator(self, seed):
         return random.Random(seed)
@@ -67,6 +68,10 @@ class FakeRunner:
         prefill = [[target_token(c.seq, c.start + c.num_tokens - 1)] if c.is_last else []
                    for c in plan.prefills]
         return StepTokens(decode_tokens, accepted, prefill)
+
+    def step_took(self, launched, seconds):
+        assert seconds >= 0
+        self.timed.append(launched.plan)
 
 
 def engine_over(runner, pool=None, *, k=3, max_model_len=64, on_pool_lost=None, eos=()):
@@ -161,3 +166,23 @@ def test_rebind_pool_requeues_the_running_and_refuses_other_limits():
     for seq in seqs:  # recomputed into the new pool: the same tokens
         assert seq.output_token_ids == [target_token(seq, p) for p in range(4, 14)]
     assert new_pool.blocks == {} and len(pool.calls) == old_calls  # the old pool is never asked again
+
+
+def test_only_decode_steps_that_followed_a_step_without_a_gap_are_timed_for_the_runner():
+    """A step's time (for the hybrid's choice) is the time from the read before it to its own: a step
+    that prefilled costs more than a decode, and the first step after the engine went idle began at
+    no read. The steps the fake runner is asked to time are exactly the others."""
+    runner = FakeRunner(accept=lambda seq: random.randint(0, 3))
+    engine, _ = engine_over(runner, k=3)
+    expected = []
+    for request in range(2):  # the engine goes idle between the two
+        engine.add_request(f"r{request}", [1, 2, 3, 4][: random.randint(2, 4)],
+                           SamplingParams(max_tokens=random.randint(3, 12), temperature=0, ignore_eos=True))
+        after_read = False
+        while engine.has_unfinished:
+            engine.step()
+            plan = runner.launched[-1]
+            if after_read and plan.decodes and not plan.prefills:
+                expected.append(plan)
+            after_read = True
+    assert [id(plan) for plan in runner.timed] == [id(plan) for plan in expected] and expected

@@ -1,5 +1,5 @@
 """The hybrid's choice of a step against hand-computed tokens per second, and the step clock's
-intervals against a clock the test moves by hand."""
+estimates against hand-computed medians."""
 
 from __future__ import annotations
 
@@ -54,35 +54,22 @@ def test_an_unknown_time_is_measured_the_lookup_only_one_first_where_some_row_ma
     assert choose_step(partly, None, 0.05) == StepChoice(True, ())
 
 
-class HandClock:
-    def __init__(self):
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def test_the_clock_files_each_interval_under_the_step_it_ended():
-    hand = HandClock()
-    clock = StepClock(hand)
+def test_the_clock_files_each_interval_under_its_kind_and_batch_bucket():
+    clock = StepClock()
     assert clock.estimate(3, True) is None
     for seconds, drafter_runs in [(0.10, True), (0.04, False), (0.12, True), (0.05, False), (0.11, True)]:
-        clock.step_begins(3, drafter_runs)
-        hand.now += seconds
-    clock.step_begins(4, True)  # closes the last interval; 3 and 4 share a bucket
-    assert clock.estimate(4, True) == pytest.approx(0.11)  # the median of 0.10, 0.12, 0.11
+        clock.record(3, drafter_runs, seconds)
+    assert clock.estimate(4, True) == pytest.approx(0.11)  # median of 0.10, 0.12, 0.11; 3, 4 share a bucket
     assert clock.estimate(3, False) == pytest.approx(0.045)
     assert clock.estimate(5, True) is None  # batches of 5-8 are another bucket
 
 
-def test_the_clock_keeps_a_window_so_an_idle_gap_moves_it_little():
-    hand = HandClock()
-    clock = StepClock(hand)
+def test_the_clock_keeps_a_window_so_one_disturbed_step_moves_it_little():
+    clock = StepClock()
     for seconds in [30.0] + [0.02] * (WINDOW + 1):
-        clock.step_begins(1, False)
-        hand.now += seconds
-    clock.step_begins(1, False)
+        clock.record(1, False, seconds)
     assert clock.estimate(1, False) == pytest.approx(0.02)
+    assert len(clock.intervals(1, False)) == WINDOW  # the oldest fell out of the window
 
 
 @pytest.mark.parametrize("num_seqs,bucket",
