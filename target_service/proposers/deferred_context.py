@@ -3,8 +3,8 @@
 A hybrid step that skips the DFlash drafter still has to keep the drafter's context whole (DFlash may
 take over at any step), but nothing reads that context until the drafter next runs. Storing it then,
 for several steps at once, reads the drafter's context weights once instead of once per step: on a
-CPU the store of a lookup-only step cost about 12% of it (the demo pair, one sequence), the same
-projection over 16 rows as over 100.
+CPU the store of a lookup-only step cost about 12% of it (the demo pair, one sequence), and the
+demo drafter stores 16 rows in 1.4 ms but 100 in 3.0 ms (2 threads), not 9.
 
 The rows are copied out of the step buffers' context side (taps, positions, sequence indices and
 pool slots, exactly what the runner staged) into buffers of this object's own, and staged back
