@@ -58,7 +58,7 @@ class EngineCounters:
     iteration_tokens: dict[int, int] = field(default_factory=dict)
     # decode-only steps by the drafts each sequence verified (adaptive speculation's choices show here)
     decode_steps_by_drafts: dict[int, int] = field(default_factory=dict)
-    num_slow_steps: int = 0  # steps that kept running streams waiting over `slow_steps.SLOW_STEP_S`
+    num_slow_steps: int = 0  # steps that kept running streams waiting over the slow-step threshold
 
 
 class LLMEngine:
@@ -85,7 +85,7 @@ class LLMEngine:
         self._iteration_tokens: Counter[int] = Counter()
         self._decode_steps_by_drafts: Counter[int] = Counter()
         self._last_read: float | None = None  # when the step before was read, if it ran back to back
-        self._slow_steps = SlowSteps()
+        self._slow_steps = SlowSteps.from_env()
         self.stats = SpecDecodeStats()  # engine-wide speculative counters
         # on_scheduled(request_id, time.monotonic()): told of every prefill chunk a step schedules, in
         # the engine's thread (the first call for a request is when it left the queue); None: no one

@@ -7,11 +7,15 @@ something outside Triton, the host), so the engine counts such steps (`/metrics`
 held: the decodes and the drafts they verified, the prefill chunks and their tokens. The log is
 rate-limited (one line per `log_every_s`, with the count since the last), so a replica overloaded
 by long prompts says so without flooding its log.
+
+To hunt smaller stalls, an operator lowers the threshold and the interval without a code change:
+`DFLASH_SLOW_STEP_MS` (default 250) and `DFLASH_SLOW_STEP_LOG_EVERY_S` (default 10; 0 logs every one).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable
 
@@ -21,6 +25,22 @@ logger = logging.getLogger(__name__)
 
 SLOW_STEP_S = 0.25
 LOG_EVERY_S = 10.0
+THRESHOLD_VARIABLE, INTERVAL_VARIABLE = "DFLASH_SLOW_STEP_MS", "DFLASH_SLOW_STEP_LOG_EVERY_S"
+
+
+def _seconds_from_env(name: str, default_s: float, scale: float) -> float:
+    """The variable's value (a number >= 0, in seconds once multiplied by `scale`), else the default;
+    a value that is no such number is a ValueError naming the variable."""
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return default_s
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value >= 0 or value == float("inf"):
+        raise ValueError(f"{name} must be a number >= 0, got {text!r}")
+    return value * scale
 
 
 def describe_step(plan: SchedulerOutput, verified: list[int]) -> str:
@@ -46,6 +66,13 @@ class SlowSteps:
         self.count = 0  # slow steps since start (the metric)
         self._unlogged = 0
         self._logged_at: float | None = None
+
+    @classmethod
+    def from_env(cls) -> SlowSteps:
+        """The threshold and log interval the environment sets (`DFLASH_SLOW_STEP_MS`,
+        `DFLASH_SLOW_STEP_LOG_EVERY_S`), else the defaults."""
+        return cls(_seconds_from_env(THRESHOLD_VARIABLE, SLOW_STEP_S, 1e-3),
+                   _seconds_from_env(INTERVAL_VARIABLE, LOG_EVERY_S, 1.0))
 
     def observe(self, seconds: float, plan: SchedulerOutput, verified: list[int]) -> None:
         """One step that had decodes took `seconds` since the step before it was read."""

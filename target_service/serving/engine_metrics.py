@@ -59,8 +59,8 @@ class EngineCollector:
              "scheduling)", snapshot.num_steps_ahead),
             ("dflash:pool_recoveries", "Steps that found the pool gone and moved onto its restarted process",
              counters.num_pool_recoveries),
-            ("dflash:engine_slow_steps", "Steps that kept running streams waiting over 250 ms (each is "
-             "logged with what it held)", counters.num_slow_steps),
+            ("dflash:engine_slow_steps", "Steps that kept running streams waiting over the slow-step "
+             "threshold (250 ms unless DFLASH_SLOW_STEP_MS sets it; each is logged with what it held)", counters.num_slow_steps),
         ):
             yield self._one(CounterMetricFamily, name, documentation, value)
         yield self._accepted_per_position(stats.accepted_per_position)

@@ -83,3 +83,29 @@ def test_the_engine_counts_a_slow_step_only_when_streams_were_waiting():
     while engine.has_unfinished:
         engine.step()
     assert engine.counters().num_slow_steps == 1
+
+
+def test_the_environment_sets_the_threshold_and_interval(monkeypatch):
+    threshold_ms, interval_s = random.randint(20, 200), random.choice([0, 2.5])
+    monkeypatch.setenv("DFLASH_SLOW_STEP_MS", str(threshold_ms))
+    monkeypatch.setenv("DFLASH_SLOW_STEP_LOG_EVERY_S", str(interval_s))
+    slow = SlowSteps.from_env()
+    assert (slow.threshold_s, slow.log_every_s) == (threshold_ms / 1e3, interval_s)
+    plan = plan_of(2, [], drafts=3)
+    slow.observe(threshold_ms / 1e3 * 0.99, plan, [3, 3])
+    slow.observe(threshold_ms / 1e3 * 1.01, plan, [3, 3])
+    assert slow.count == 1
+    monkeypatch.delenv("DFLASH_SLOW_STEP_MS")
+    monkeypatch.delenv("DFLASH_SLOW_STEP_LOG_EVERY_S")
+    assert (SlowSteps.from_env().threshold_s, SlowSteps.from_env().log_every_s) == (0.25, 10.0)
+
+
+def test_a_bad_environment_value_is_named(monkeypatch):
+    for bad in ("fast", "-5", "nan", "inf"):
+        monkeypatch.setenv("DFLASH_SLOW_STEP_MS", bad)
+        try:
+            SlowSteps.from_env()
+        except ValueError as error:
+            assert str(error) == f"DFLASH_SLOW_STEP_MS must be a number >= 0, got {bad!r}"
+        else:
+            raise AssertionError(f"{bad!r} was taken")
