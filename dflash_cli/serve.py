@@ -13,6 +13,7 @@ import argparse
 import json
 import os
 import signal
+import sys
 import threading
 
 from dflash_cli.flags import add_proposer_flags
@@ -103,6 +104,14 @@ def run(args: argparse.Namespace) -> int:
     from target_service.serving import deploy
 
     settings = serve_args(args)
+    try:
+        return _serve(deploy, settings)
+    except deploy.ReplicaStartFailed as error:
+        print(f"dflash serve: error: {error}", file=sys.stderr, flush=True)
+        return 1
+
+
+def _serve(deploy, settings) -> int:
     stop, hurry = threading.Event(), threading.Event()
     with deploy.serving(settings, hurry, say=lambda line: print(line, flush=True)) as url:
         # after Ray's start: its core worker installs a failure handler for SIGTERM that aborts

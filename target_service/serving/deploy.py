@@ -203,7 +203,10 @@ def serving(args: ServeArgs, hurry: threading.Event | None = None,
     try:
         url = start_serve(args)  # refuses a taken application name before deploying anything
         deployed = True
-        serve.run(build_application(args), name=APP_NAME, route_prefix="/", blocking=False)
+        try:
+            serve.run(build_application(args), name=APP_NAME, route_prefix="/", blocking=False)
+        except RuntimeError as error:  # Serve says only that the deployment failed; the replica said why
+            raise ReplicaStartFailed(replica_failure(error)) from error
         if say is not None:
             watch_replicas(functools.partial(replica_counts, args.replicas),
                            ReplicaWatch(args.replicas, replica_log_hint(started_ray)), watching, say)
@@ -219,6 +222,23 @@ def serving(args: ServeArgs, hurry: threading.Event | None = None,
                                      delete=not started_ray)
             _bounded(stop, args.drain_timeout_s + STOP_GRACE_S + RAY_ANSWER_S, "drain the replicas")
         _bounded(functools.partial(stop_ray, started_ray), RAY_ANSWER_S, "stop Ray")
+
+
+class ReplicaStartFailed(RuntimeError):
+    """No replica came up: the error a replica's constructor raised (a setting the checkpoints refuse,
+    memory the device lacks), in one line."""
+
+
+def replica_failure(error: RuntimeError) -> str:
+    """The last line of the replicas' own error (Serve's status keeps each deployment's message, the
+    replica's traceback included), else Serve's error."""
+    try:
+        app = serve.status().applications.get(APP_NAME)
+    except Exception:  # Ray went away too: Serve's own words are all there is
+        app = None
+    messages = [d.message for d in app.deployments.values()] if app is not None else []
+    lines = [line.strip() for message in messages for line in message.splitlines() if line.strip()]
+    return f"a replica failed to start: {lines[-1] if lines else error}"
 
 
 def start_ray(args: ServeArgs) -> bool:
