@@ -7,6 +7,11 @@ inter-token latency, the longest gap, gaps over 250 ms, and the kernels compiled
     python -m bench.fresh_server --mode plain|dflash --out DIR [--concurrency 8] [--num-prompts 48]
         [--input-len 16-3000] [--output-len 128] [--kv-cache-dtype auto|fp8] [--max-num-seqs 32]
         [--geometry qwen3-8b|tiny] [--device cuda|cpu] [--kv-cache-memory 24GiB]
+        [--passes new repeat repeat new] [--input-lens-file FILE] [--max-prefill-tokens-with-decodes N]
+
+`--input-lens-file` with mostly short prompts and some 3,000-token ones, at several
+`--max-prefill-tokens-with-decodes`, measures what a long prompt's prefill costs the streams that
+decode beside it (their gaps) and what capping it costs its own time to first token.
 
 Run it in a process of its own with TRITON_CACHE_DIR pointing at an empty directory for the cold
 start (`bench/fresh_server_h200.sh` does). Writes DIR/<name>.json, .md and the gap plot (those of
@@ -43,7 +48,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[8])
     parser.add_argument("--num-prompts", type=int, default=48)
     parser.add_argument("--input-len", default="16-3000")
+    parser.add_argument("--input-lens-file", help="prompt lengths to sample (one per line), instead of "
+                                                  "--input-len")
     parser.add_argument("--output-len", default="128")
+    parser.add_argument("--passes", nargs="+", default=PASSES, choices=["new", "repeat"])
+    parser.add_argument("--max-prefill-tokens-with-decodes", type=int,
+                        help="the server's cap on prompt tokens a step prefills beside decodes")
     parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto")
     parser.add_argument("--max-num-seqs", type=int, default=32)
     parser.add_argument("--max-model-len", type=int, default=4096)
@@ -61,7 +71,10 @@ def main(argv: list[str] | None = None) -> int:
     serve_args = ServeArgs(target=str(target), drafter=str(drafter) if args.mode == "dflash" else "none",
                            device=args.device, dtype=dtype, kv_cache_dtype=args.kv_cache_dtype,
                            max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-                           kv_cache_memory=args.kv_cache_memory, admin_port=None)
+                           kv_cache_memory=args.kv_cache_memory, admin_port=None,
+                           max_prefill_tokens_with_decodes=args.max_prefill_tokens_with_decodes)
+    lengths = (["--input-lens-file", args.input_lens_file] if args.input_lens_file
+               else ["--input-len", args.input_len])
     WATCH.install()  # the engine installs it too; an engine from before it did is watched all the same
     started = time.perf_counter()
     with replica_server(serve_args) as (url, _replica):
@@ -69,12 +82,13 @@ def main(argv: list[str] | None = None) -> int:
         WATCH.mark_ready()  # the server answers: what builds from here is on the serving path
         ready_at = time.monotonic()  # compiles after it are timed from here
         startup = {"mode": args.mode, "ready_s": round(ready_s, 2),
+                   "max_prefill_tokens_with_decodes": args.max_prefill_tokens_with_decodes,
                    "compiled_at_startup": len(WATCH.compilations), "command": " ".join(sys.argv)}
         print(json.dumps(startup), flush=True)
         code = serve_load.main([
-            "--url", f"{url}/v1", "--cold", "--passes", *PASSES, "--concurrency",
+            "--url", f"{url}/v1", "--cold", "--passes", *args.passes, "--concurrency",
             *map(str, args.concurrency), "--num-prompts", str(args.num_prompts), "--prompts", "random",
-            "--tokenizer-dir", str(target), "--input-len", args.input_len, "--output-len", args.output_len,
+            "--tokenizer-dir", str(target), *lengths, "--output-len", args.output_len,
             "--metrics-counter", COMPILES, "--metrics-scrapes", "1", "--out", args.out, "--name", name,
             "--no-progress"])
         startup["compiled_while_serving"] = [
