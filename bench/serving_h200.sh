@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
-# One device call for what users meet when serving on the H200 (Qwen3-8B geometry, random bf16 weights):
+# One device call for what users meet when serving on the H200 (Qwen3-8B geometry, random bf16 weights),
+# in this order (each part's results are saved as it ends, so a call cut short keeps what ran):
+#   split  `dflash serve` (Ray Serve) with --services inprocess and then ray, DFlash K 15, the same
+#          load at C 1 and C 32 twice each (issue 33, item 5);
 #   first  plain decoding from an empty Triton cache, twice (CUDA's lazy module loading, then eager),
 #          passes new / new at C 8, every step over 85 ms logged with what it held: where a first
 #          pass's longest gap comes from (issue 31);
 #   budget long prompts (3,000 tokens) among short ones at C 8 under --max-prefill-tokens-with-decodes
-#          none / 1024 / 512: the gaps the decoding streams see and the long prompts' TTFT (issue 31);
-#   split  `dflash serve` (Ray Serve) with --services inprocess and then ray, DFlash K 15, the same
-#          load at C 1 and C 32 twice each (issue 33, item 5).
+#          none / 1024 / 512: the gaps the decoding streams see and the long prompts' TTFT (issue 31).
 # Carry [".whl", ".devray-serve"] (bench/device_wheels.sh without .whl/fuzz, bench/device_ray_serve.sh):
 # together with the tree they fit the 64 MiB a call carries.
 #
-#   OUT=DIR [PARTS="first budget split"] bash bench/serving_h200.sh
+#   OUT=DIR [PARTS="split first budget"] bash bench/serving_h200.sh
 # Everything lands in DIR/serving_h200.tar.gz (a call returns 8 files) and a summary is printed last.
 # A dry run on a CPU (the tiny geometry, the checkout's venv): PYTHON=.venv/bin/python TINY=1 bash ...
 set -uo pipefail
@@ -31,32 +32,6 @@ FRESH=(--checkpoints $PAIR --geometry $GEOMETRY --device $DEVICE --kv-cache-memo
 $PY -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")' | tee "$R/env.txt"
 git log -1 --format='commit %H %cd' >> "$R/env.txt" 2> /dev/null
 summary() { grep -hE "$2" "$1" 2> /dev/null | tail -n "${3:-12}"; }
-
-if [[ " $PARTS " == *" first "* ]]; then
-    for loading in LAZY EAGER; do
-        cache=$(mktemp -d)
-        CUDA_MODULE_LOADING=$loading TRITON_CACHE_DIR=$cache timeout 150 $PY -m bench.fresh_server --mode plain \
-            --out "$R" --name "first_$loading" --passes new new "${FRESH[@]}" > "$R/first_$loading.log" 2>&1
-        echo "first pass, CUDA_MODULE_LOADING=$loading: exit $?"
-        summary "$R/first_$loading.log" '"ready_s"' 1
-        summary "$R/first_$loading.md" '^\| concurrency 8 \| [0-9]' 4
-        summary "$R/first_$loading.log" 'kept the running streams waiting' 30
-        [ "$loading" = LAZY ] && KEPT=$cache
-    done
-fi
-
-if [[ " $PARTS " == *" budget "* ]]; then
-    (for _ in 1 2 3 4 5 6; do echo 32; done; echo 3000; echo 3000) > "$R/lens.txt"
-    for cap in none 1024 512; do
-        flag=() && [ "$cap" != none ] && flag=(--max-prefill-tokens-with-decodes "$cap")
-        TRITON_CACHE_DIR=${KEPT:-$(mktemp -d)} timeout 100 $PY -m bench.fresh_server --mode plain --out "$R" \
-            --name "budget_$cap" --passes new --input-lens-file "$R/lens.txt" "${FRESH[@]}" "${flag[@]}" \
-            > "$R/budget_$cap.log" 2>&1
-        echo "prefill beside decodes capped at $cap: exit $?"
-        summary "$R/budget_$cap.md" '^\| concurrency 8 \| [0-9]' 2
-        grep -c 'kept the running streams waiting' "$R/budget_$cap.log" | xargs echo "  steps over 85 ms:"
-    done
-fi
 
 if [[ " $PARTS " == *" split "* ]]; then
     $PY -c "
@@ -94,4 +69,32 @@ print(target, drafter)" > "$R/pair.txt" 2>&1 || cat "$R/pair.txt"
         wait $server 2> /dev/null
     done
 fi
-tar -czf "$OUT/serving_h200.tar.gz" -C "$R" .
+tar -czf "$OUT/serving_h200.tar.gz" -C "$R" .  # after each part: a call cut short keeps what ran
+
+if [[ " $PARTS " == *" first "* ]]; then
+    for loading in LAZY EAGER; do
+        cache=$(mktemp -d)
+        CUDA_MODULE_LOADING=$loading TRITON_CACHE_DIR=$cache timeout 150 $PY -m bench.fresh_server --mode plain \
+            --out "$R" --name "first_$loading" --passes new new "${FRESH[@]}" > "$R/first_$loading.log" 2>&1
+        echo "first pass, CUDA_MODULE_LOADING=$loading: exit $?"
+        summary "$R/first_$loading.log" '"ready_s"' 1
+        summary "$R/first_$loading.md" '^\| concurrency 8 \| [0-9]' 4
+        summary "$R/first_$loading.log" 'kept the running streams waiting' 30
+        [ "$loading" = LAZY ] && KEPT=$cache
+    done
+fi
+tar -czf "$OUT/serving_h200.tar.gz" -C "$R" .  # after each part: a call cut short keeps what ran
+
+if [[ " $PARTS " == *" budget "* ]]; then
+    (for _ in 1 2 3 4 5 6; do echo 32; done; echo 3000; echo 3000) > "$R/lens.txt"
+    for cap in none 1024 512; do
+        flag=() && [ "$cap" != none ] && flag=(--max-prefill-tokens-with-decodes "$cap")
+        TRITON_CACHE_DIR=${KEPT:-$(mktemp -d)} timeout 100 $PY -m bench.fresh_server --mode plain --out "$R" \
+            --name "budget_$cap" --passes new --input-lens-file "$R/lens.txt" "${FRESH[@]}" "${flag[@]}" \
+            > "$R/budget_$cap.log" 2>&1
+        echo "prefill beside decodes capped at $cap: exit $?"
+        summary "$R/budget_$cap.md" '^\| concurrency 8 \| [0-9]' 2
+        grep -c 'kept the running streams waiting' "$R/budget_$cap.log" | xargs echo "  steps over 85 ms:"
+    done
+fi
+tar -czf "$OUT/serving_h200.tar.gz" -C "$R" .  # after each part: a call cut short keeps what ran
