@@ -60,7 +60,8 @@ class EngineCollector:
             ("dflash:pool_recoveries", "Steps that found the pool gone and moved onto its restarted process",
              counters.num_pool_recoveries),
             ("dflash:engine_slow_steps", "Steps that kept running streams waiting over the slow-step "
-             "threshold (250 ms unless DFLASH_SLOW_STEP_MS sets it; each is logged with what it held)", counters.num_slow_steps),
+             "threshold (250 ms unless DFLASH_SLOW_STEP_MS sets it; each is logged with what it held)",
+             counters.num_slow_steps),
         ):
             yield self._one(CounterMetricFamily, name, documentation, value)
         yield self._accepted_per_position(stats.accepted_per_position)
