@@ -3,9 +3,10 @@
 # in this order (each part's results are saved as it ends, so a call cut short keeps what ran):
 #   split  `dflash serve` (Ray Serve) with --services inprocess and then ray, DFlash K 15, the same
 #          load at C 1 and C 32 twice each (issue 33, item 5);
-#   first  plain decoding from an empty Triton cache, twice (CUDA's lazy module loading, then eager),
-#          passes new / new at C 8, every step over 85 ms logged with what it held: where a first
-#          pass's longest gap comes from (issue 31);
+#   first  plain decoding from an empty Triton cache, three times: without the engine's warm-up forwards
+#          (DFLASH_WARM_UP=0), with them, and without them under CUDA's eager module loading; passes
+#          new / new at C 8, every step over 85 ms logged with what it held: where a first pass's
+#          longest gap comes from and what the warm-up does to it (issue 31);
 #   budget long prompts (3,000 tokens) among short ones at C 8 under --max-prefill-tokens-with-decodes
 #          none / 1024 / 512: the gaps the decoding streams see and the long prompts' TTFT (issue 31).
 # Carry [".whl", ".devray-serve"] (bench/device_wheels.sh without .whl/fuzz, bench/device_ray_serve.sh):
@@ -72,15 +73,17 @@ fi
 tar -czf "$OUT/serving_h200.tar.gz" -C "$R" .  # after each part: a call cut short keeps what ran
 
 if [[ " $PARTS " == *" first "* ]]; then
-    for loading in LAZY EAGER; do
+    for variant in nowarm warm eager; do  # CUDA module loading and the engine's warm-up forwards
+        loading=LAZY warm=0 && [ $variant = warm ] && warm=1
+        [ $variant = eager ] && loading=EAGER
         cache=$(mktemp -d)
-        CUDA_MODULE_LOADING=$loading TRITON_CACHE_DIR=$cache timeout 150 $PY -m bench.fresh_server --mode plain \
-            --out "$R" --name "first_$loading" --passes new new "${FRESH[@]}" > "$R/first_$loading.log" 2>&1
-        echo "first pass, CUDA_MODULE_LOADING=$loading: exit $?"
-        summary "$R/first_$loading.log" '"ready_s"' 1
-        summary "$R/first_$loading.md" '^\| concurrency 8 \| [0-9]' 4
-        summary "$R/first_$loading.log" 'kept the running streams waiting' 30
-        [ "$loading" = LAZY ] && KEPT=$cache
+        CUDA_MODULE_LOADING=$loading DFLASH_WARM_UP=$warm TRITON_CACHE_DIR=$cache timeout 150 $PY -m bench.fresh_server \
+            --mode plain --out "$R" --name "first_$variant" --passes new new "${FRESH[@]}" > "$R/first_$variant.log" 2>&1
+        echo "first pass, $variant (CUDA_MODULE_LOADING=$loading DFLASH_WARM_UP=$warm): exit $?"
+        summary "$R/first_$variant.log" '"ready_s"' 1
+        summary "$R/first_$variant.md" '^\| concurrency 8 \| [0-9]' 4
+        summary "$R/first_$variant.log" 'kept the running streams waiting|warm-up:' 30
+        [ $variant = warm ] && KEPT=$cache
     done
 fi
 tar -czf "$OUT/serving_h200.tar.gz" -C "$R" .  # after each part: a call cut short keeps what ran

@@ -10,6 +10,7 @@ service maps the step buffers this assembler creates.
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 
@@ -31,6 +32,7 @@ from target_service.runner.checkpoint import load_target, open_target_checkpoint
 from target_service.runner.cuda_graphs import GraphKey, TargetGraphs
 from target_service.runner.memory_budget import device_kv_budget
 from target_service.runner.model_runner import ModelRunner
+from target_service.runner.warm_up import warm_up_forwards
 from target_service.structured.vocabulary import GrammarVocabulary
 
 logger = logging.getLogger(__name__)
@@ -91,6 +93,7 @@ class TargetAssembler:
         caches, layout = self._attach(pool_handle)
         limits = pool.limits()
         self._warm_up_attention(caches)
+        self._warm_up_forwards(caches, limits)
         self.runner = ModelRunner(self._model(), caches, tokens_per_block=limits.tokens_per_block,
                                   draft_budget=plan.draft_budget(), drafter=proposer,
                                   step_buffers=self.buffers, graphs=self._graphs(caches, layout),
@@ -143,6 +146,18 @@ class TargetAssembler:
         paged_warmup.warm_up(cache.k_cache, cache.v_cache, cache.k_scale, cache.v_scale,
                              num_heads=config.num_attention_heads, q_dtype=self._model().embed_tokens.dtype,
                              max_tokens=args.max_num_batched_tokens, max_seqs=args.max_num_seqs)
+
+    def _warm_up_forwards(self, caches, limits) -> None:
+        """The first uses a mixed step's eager forward meets outside Triton, made now, over the pool's
+        first pages (`runner.warm_up`; nothing holds them yet). DFLASH_WARM_UP=0 skips it (to measure
+        what it saves)."""
+        if self.device.type != "cuda" or os.environ.get("DFLASH_WARM_UP", "1") == "0":
+            return
+        args, per_seq = self.plan.args, max(self.plan.speculation_choices) + 1
+        pool_rows = limits.num_blocks * limits.tokens_per_block
+        warm_up_forwards(self._model(), caches, tokens_per_block=limits.tokens_per_block,
+                         max_rows=min(args.max_num_batched_tokens, pool_rows),
+                         max_logits=args.max_num_seqs * per_seq)
 
     def _graphs(self, caches, layout) -> TargetGraphs | None:
         """CUDA graphs of the steady-state steps: verify k + 1 rows with taps for every k a step may
