@@ -84,7 +84,8 @@ def summarize_setting(mode: str, value: float, results: list, duration_s: float,
     return {
         "mode": mode, "value": value, **summarize_requests(results, duration_s), "acceptance": accepted,
         "per_request": [{"ttft_s": r.ttft, "tpot_s": r.tpot, "e2e_s": r.e2e, "output_tokens": r.output_tokens,
-                         "chunks": len(r.chunk_at), "error": r.error, "replica": r.replica}
+                         "prompt_tokens": r.prompt_tokens, "chunks": len(r.chunk_at), "error": r.error,
+                         "replica": r.replica}
                         for r in results],
         "passes": passes or [],
     }

@@ -49,6 +49,7 @@ class RequestResult:
     chunk_at: list[float] = field(default_factory=list)  # each chunk with text (none without a stream)
     e2e: float = 0.0
     output_tokens: int = 0  # usage.completion_tokens, or chunks with text when the server sent no usage
+    prompt_tokens: int | None = None  # usage.prompt_tokens (None: no usage): splits TTFT by prompt length
     usage_reported: bool = False
     replica: str | None = None  # X-Dflash-Replica, where the server names one
 
@@ -98,6 +99,7 @@ async def send_request(client: httpx.AsyncClient, endpoint: Endpoint, body: dict
             else:
                 usage = json.loads(await response.aread()).get("usage") or {}
                 result.output_tokens = usage.get("completion_tokens", 0)
+                result.prompt_tokens = usage.get("prompt_tokens")
                 result.usage_reported = result.ok = "completion_tokens" in usage
                 result.error = None if result.ok else "no usage"
     except (httpx.HTTPError, json.JSONDecodeError) as error:
@@ -123,6 +125,7 @@ async def _read_stream(response: httpx.Response, result: RequestResult, started:
             return
         if event.get("usage"):
             result.output_tokens = event["usage"]["completion_tokens"]
+            result.prompt_tokens = event["usage"].get("prompt_tokens")
             result.usage_reported = True
         if any(choice.get("text") for choice in event.get("choices") or ()):
             result.chunk_at.append(time.perf_counter())

@@ -82,6 +82,7 @@ def test_every_request_against_a_real_replica_is_measured_and_its_acceptance_is_
     setting = asyncio.run(main())
     assert setting["requests"] == setting["completed"] == 6 and setting["failures"] == {}
     assert [r["output_tokens"] for r in setting["per_request"]] == [OUTPUT_LEN] * 6
+    assert sorted(r["prompt_tokens"] for r in setting["per_request"]) == sorted(map(len, prompts))
     assert setting["output_tokens"] == 6 * OUTPUT_LEN and setting["usage_missing"] == 0
     for request in setting["per_request"]:
         assert 0 < request["ttft_s"] <= request["e2e_s"] and request["tpot_s"] > 0
