@@ -21,6 +21,7 @@ import torch
 from drafter_service.assembler import DrafterArgs, DrafterAssembler
 from drafter_service.channel_control import serve_draft_worker
 from drafter_service.step_buffers import StepBuffersHandle
+from foundation.gc_pauses import freeze_startup_heap
 from foundation.step_channel import StepChannel, StepChannelHandle
 from kernels.compile_watch import WATCH, CompileCounts
 from kvpool_service.memory import PoolHandle
@@ -60,6 +61,7 @@ class DrafterService:
         self._thread.start()
         logger.info("drafter (pid %d) attached to pool epoch %d", os.getpid(), pool_handle.layout.epoch)
         WATCH.mark_ready()
+        freeze_startup_heap()  # the drafter's loop holds the GIL; a long collection would stall the step
         return os.getpid()
 
     def compilations(self) -> CompileCounts:

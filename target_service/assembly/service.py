@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from drafter_service.channel_control import ChannelDraftControl
+from foundation.gc_pauses import freeze_startup_heap
 from foundation.step_channel import StepChannel
 from kernels.compile_watch import WATCH, CompileCounts
 from kvpool_service.assembler import PoolArgs
@@ -146,6 +147,7 @@ class TargetService:
                                            on_pool_lost=self._recover_pool)
         self.engine.on_scheduled = self._note_scheduled
         self._serve()
+        freeze_startup_heap()  # collections walk only what serving allocates (`foundation.gc_pauses`)
         logger.info("target service (pid %d) serving on pool epoch %d", os.getpid(), self.pool.epoch)
         return os.getpid()
 
@@ -226,6 +228,7 @@ class TargetService:
         requeued = self.assembler.rebind(self.engine, self.control, pool.handle)
         if self.link is not None:  # the drafter's context lives in the new pool's spec layers now
             self.link.attach_again(ATTACH_TIMEOUT_S)
+        freeze_startup_heap()  # thawed first: the old pool's mappings and graphs are collected
         logger.warning("moved onto the restarted pool (epoch %d): %d sequences are being recomputed",
                        pool.epoch, len(requeued))
 

@@ -19,6 +19,7 @@ import os
 import time
 from collections.abc import Callable
 
+from foundation.gc_pauses import GcPauses
 from target_service.engine.scheduler_output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -61,8 +62,10 @@ def describe_step(plan: SchedulerOutput, verified: list[int]) -> str:
 
 class SlowSteps:
     def __init__(self, threshold_s: float = SLOW_STEP_S, log_every_s: float = LOG_EVERY_S,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, gc_pauses: GcPauses | None = None):
+        """gc_pauses: whose collections a slow step's line reports (default: this process's)."""
         self.threshold_s, self.log_every_s, self.clock = threshold_s, log_every_s, clock
+        self.gc_pauses = gc_pauses or GcPauses.shared()
         self.count = 0  # slow steps since start (the metric)
         self._unlogged = 0
         self._logged_at: float | None = None
@@ -84,6 +87,9 @@ class SlowSteps:
         if self._logged_at is not None and now - self._logged_at < self.log_every_s:
             return
         more = f" ({self._unlogged - 1} more since the last report)" if self._unlogged > 1 else ""
-        logger.warning("a step kept the running streams waiting %.0f ms: %s%s", 1e3 * seconds,
+        collecting, generation = self.gc_pauses.within(seconds)
+        gc_part = (f" (garbage collection {1e3 * collecting:.0f} ms of it, up to generation {generation})"
+                   if generation >= 0 else "")
+        logger.warning("a step kept the running streams waiting %.0f ms%s: %s%s", 1e3 * seconds, gc_part,
                        describe_step(plan, verified), more)
         self._logged_at, self._unlogged = now, 0

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 
+from foundation.gc_pauses import freeze_startup_heap
 from foundation.secret_file import API_KEY_ENV, POOL_TOKEN_ENV, load_secret
 from kvpool_service.server import BackgroundServer
 from target_service.assembly.in_process import build_engine
@@ -62,6 +63,7 @@ class Replica:
                                    max_model_len=max_model_len, target_dir=engine_args.target,
                                    api_key=api_key,
                                    spec_decode_metrics=args.per_request_spec_decode_metrics)
+        freeze_startup_heap()  # the engine's thread and the server's share the GIL (`foundation.gc_pauses`)
 
     def _start_services(self, args: ServeArgs, engine_args, rank: int, admin_port: int | None):
         """The pool, drafter and target as Ray actors; the pool's gRPC port is the admin port."""

@@ -8,8 +8,10 @@ import logging
 import random
 import time
 
+import pytest
 from test_engine_bookkeeping import FakeRunner, engine_over
 
+from foundation.gc_pauses import GcPauses
 from target_service.engine.sampling_params import SamplingParams
 from target_service.engine.scheduler_output import DecodeWork, PrefillChunk, SchedulerOutput
 from target_service.engine.sequence import Sequence
@@ -37,7 +39,7 @@ def test_a_step_is_described_by_its_decodes_drafts_and_chunks():
 
 def test_slow_steps_are_counted_each_and_logged_once_per_interval(caplog):
     now = [0.0]
-    slow = SlowSteps(threshold_s=0.25, log_every_s=10.0, clock=lambda: now[0])
+    slow = SlowSteps(threshold_s=0.25, log_every_s=10.0, clock=lambda: now[0], gc_pauses=GcPauses())
     plan = plan_of(4, [(0, 2048)], drafts=7)
     durations = [random.uniform(0.26, 2.0) for _ in range(5)]
     with caplog.at_level(logging.WARNING, logger="target_service.engine.slow_steps"):
@@ -109,3 +111,25 @@ def test_a_bad_environment_value_is_named(monkeypatch):
             assert str(error) == f"DFLASH_SLOW_STEP_MS must be a number >= 0, got {bad!r}"
         else:
             raise AssertionError(f"{bad!r} was taken")
+
+
+def test_a_slow_steps_line_says_how_much_of_it_the_garbage_collector_took(caplog):
+    now = [100.0]
+    pauses = GcPauses(clock=lambda: now[0])
+    lengths = [random.uniform(0.001, 0.05) for _ in range(3)]
+    pauses.on_gc("start", {"generation": 0})  # long before the step: not its
+    now[0] += 0.01
+    pauses.on_gc("stop", {"generation": 0})
+    now[0] += 5.0
+    for generation, length in zip((0, 2, 1), lengths):
+        pauses.on_gc("start", {"generation": generation})
+        now[0] += length
+        pauses.on_gc("stop", {"generation": generation})
+    step_s = sum(lengths) + 0.02
+    assert pauses.within(step_s) == (pytest.approx(sum(lengths)), 2)
+    slow = SlowSteps(threshold_s=0.01, log_every_s=0.0, gc_pauses=pauses)
+    with caplog.at_level(logging.WARNING, logger="target_service.engine.slow_steps"):
+        slow.observe(step_s, plan_of(8, [], drafts=0), [0] * 8)
+    assert caplog.records[-1].getMessage() == (
+        f"a step kept the running streams waiting {1e3 * step_s:.0f} ms (garbage collection "
+        f"{1e3 * sum(lengths):.0f} ms of it, up to generation 2): 8 decodes (0 drafts each)")
