@@ -12,7 +12,9 @@
 # Carry [".whl", ".devray-serve"] (bench/device_wheels.sh without .whl/fuzz, bench/device_ray_serve.sh):
 # together with the tree they fit the 64 MiB a call carries.
 #
-#   OUT=DIR [PARTS="split first budget"] bash bench/serving_h200.sh
+#   OUT=DIR [PARTS="split first budget"] [FIRST_VARIANTS="nowarm warm eager"] [KEEP_CACHE=1] bash bench/serving_h200.sh
+# FIRST_VARIANTS may also name nofreeze (DFLASH_GC_FREEZE=0) and freeze; KEEP_CACHE=1 lets the first
+# part's runs share one Triton cache (only the first compiles).
 # Everything lands in DIR/serving_h200.tar.gz (a call returns 8 files) and a summary is printed last.
 # A dry run on a CPU (the tiny geometry, the checkout's venv): PYTHON=.venv/bin/python TINY=1 bash ...
 set -uo pipefail
@@ -73,16 +75,19 @@ fi
 tar -czf "$OUT/serving_h200.tar.gz" -C "$R" .  # after each part: a call cut short keeps what ran
 
 if [[ " $PARTS " == *" first "* ]]; then
-    for variant in nowarm warm eager; do  # CUDA module loading and the engine's warm-up forwards
-        loading=LAZY warm=0 && [ $variant = warm ] && warm=1
-        [ $variant = eager ] && loading=EAGER
-        cache=$(mktemp -d)
-        CUDA_MODULE_LOADING=$loading DFLASH_WARM_UP=$warm TRITON_CACHE_DIR=$cache timeout 150 $PY -m bench.fresh_server \
-            --mode plain --out "$R" --name "first_$variant" --passes new new "${FRESH[@]}" > "$R/first_$variant.log" 2>&1
-        echo "first pass, $variant (CUDA_MODULE_LOADING=$loading DFLASH_WARM_UP=$warm): exit $?"
-        summary "$R/first_$variant.log" '"ready_s"' 1
-        summary "$R/first_$variant.md" '^\| concurrency 8 \| [0-9]' 4
-        summary "$R/first_$variant.log" 'kept the running streams waiting|warm-up:' 30
+    i=0 && shared=$(mktemp -d)
+    for variant in ${FIRST_VARIANTS:-nowarm warm eager}; do  # each sets what it names, the rest default
+        i=$((i + 1)) && loading=LAZY warm=1 freeze=1
+        case $variant in nowarm) warm=0 ;; eager) loading=EAGER warm=0 ;; nofreeze) freeze=0 ;; esac
+        cache=$(mktemp -d) && [ "${KEEP_CACHE:-0}" = 1 ] && cache=$shared  # kept: only the first compiles
+        name=first_${variant}_$i
+        CUDA_MODULE_LOADING=$loading DFLASH_WARM_UP=$warm DFLASH_GC_FREEZE=$freeze TRITON_CACHE_DIR=$cache \
+            timeout 150 $PY -m bench.fresh_server --mode plain --out "$R" --name "$name" --passes new new \
+            "${FRESH[@]}" > "$R/$name.log" 2>&1
+        echo "first passes, $variant (CUDA_MODULE_LOADING=$loading DFLASH_WARM_UP=$warm DFLASH_GC_FREEZE=$freeze): exit $?"
+        summary "$R/$name.log" '"ready_s"' 1
+        summary "$R/$name.md" '^\| concurrency 8 \| [0-9]' 4
+        summary "$R/$name.log" 'kept the running streams waiting' 30
         [ $variant = warm ] && KEPT=$cache
     done
 fi

@@ -68,24 +68,29 @@ def split_section(root: Path) -> list[str]:
     return [*lines, ""]
 
 
+def _run_order(path: Path) -> tuple[int, str]:
+    """first_<variant>_<i>: by i (the order they ran), then by name."""
+    index = path.stem.rsplit("_", 1)[-1]
+    return (int(index) if index.isdigit() else 0, path.stem)
+
+
 def first_section(root: Path) -> list[str]:
     lines = ["## A fresh plain server's first passes (C 8, prompts of 16-3,000 tokens, empty Triton cache)",
              "",
              "| run | ready s | pass | TTFT p99 ms | ITL p99 ms | longest gap ms | gaps > 250 ms | req/s |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     slow: dict[str, list[tuple[int, str]]] = {}
-    for variant in ("nowarm", "warm", "eager"):
-        result = root / f"first_{variant}.json"
-        if not result.is_file():
-            lines.append(f"| {variant} | missing | | | | | | |")
-            continue
-        ready = json.loads((root / f"first_{variant}_startup.json").read_text())["ready_s"]
+    runs = sorted((path for path in root.glob("first_*.json") if not path.stem.endswith("_startup")),
+                  key=_run_order)
+    for result in runs:
+        run = result.stem.removeprefix("first_")
+        ready = json.loads((root / f"{result.stem}_startup.json").read_text())["ready_s"]
         for one in setting(result)["passes"]:
-            cells = [variant, ready, f"{one['pass']} {one['kind']}", ms(one["ttft_s"]["p99"]),
+            cells = [run, ready, f"{one['pass']} {one['kind']}", ms(one["ttft_s"]["p99"]),
                      ms(one["itl_s"]["p99"]), ms(one["longest_gap_s"]), one["gaps_over_threshold"],
                      f"{one['request_throughput']:.2f}"]
             lines.append("| " + " | ".join(map(str, cells)) + " |")
-        slow[variant] = slow_steps(root / f"first_{variant}.log")
+        slow[run] = slow_steps(root / f"{result.stem}.log")
     lines += ["", "Engine steps with decodes that took over 85 ms (`DFLASH_SLOW_STEP_MS=85`), in order:", ""]
     for variant, steps in slow.items():
         listed = "; ".join(f"{took} ms ({what})" for took, what in steps) or "none"
