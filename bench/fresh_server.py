@@ -18,7 +18,9 @@ start (`bench/fresh_server_h200.sh` does). Writes DIR/<name>.json, .md and the g
 `dflash bench serve`), and DIR/<name>_startup.json (time to ready, compiles at start-up, and each
 compile after ready with its time since ready and its cause, from this process's compile watch:
 it also counts an engine older than the server's compile metric, which a before-and-after run
-puts under the same client).
+puts under the same client) and each collection of the garbage collector's oldest generation after
+ready, with its pause (`foundation.gc_pauses`; DFLASH_GC_FREEZE=0 runs the server without freezing its
+start-up heap).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from bench.serve_in_process import replica_server
 from dflash_cli.bench import serve_load
 from dflash_cli.bench.random_pair import write_random_pair
 from foundation.checkpoint_config import load_target_config
+from foundation.gc_pauses import GcPauses
 from kernels.compile_watch import WATCH
 
 PASSES = ["new", "repeat", "repeat", "new"]
@@ -76,11 +79,13 @@ def main(argv: list[str] | None = None) -> int:
     lengths = (["--input-lens-file", args.input_lens_file] if args.input_lens_file
                else ["--input-len", args.input_len])
     WATCH.install()  # the engine installs it too; an engine from before it did is watched all the same
+    collections = GcPauses.shared()  # this process's collections: the server's and the client's heap
     started = time.perf_counter()
     with replica_server(serve_args) as (url, _replica):
         ready_s = time.perf_counter() - started
         WATCH.mark_ready()  # the server answers: what builds from here is on the serving path
         ready_at = time.monotonic()  # compiles after it are timed from here
+        gc_ready_at = collections.clock()
         startup = {"mode": args.mode, "ready_s": round(ready_s, 2),
                    "max_prefill_tokens_with_decodes": args.max_prefill_tokens_with_decodes,
                    "compiled_at_startup": len(WATCH.compilations), "command": " ".join(sys.argv)}
@@ -91,6 +96,9 @@ def main(argv: list[str] | None = None) -> int:
             "--tokenizer-dir", str(target), *lengths, "--output-len", args.output_len,
             "--metrics-counter", COMPILES, "--metrics-scrapes", "1", "--out", args.out, "--name", name,
             "--no-progress"])
+        startup["oldest_collections_while_serving"] = [  # generation 2: a walk of the whole heap
+            {"at_s": round(end - gc_ready_at, 2), "ms": round(1e3 * length, 1)}
+            for end, length, generation in collections.recent() if end > gc_ready_at and generation == 2]
         startup["compiled_while_serving"] = [
             {"at_s": round(item.at - ready_at, 2), "why": WATCH.explain(item)} for item in WATCH.after_ready]
     (Path(args.out) / f"{name}_startup.json").write_text(json.dumps(startup, indent=1) + "\n")

@@ -55,6 +55,10 @@ class GcPauses:
             self._done.append((now, now - self._started, info.get("generation", -1)))
             self._started = None
 
+    def recent(self) -> list[tuple[float, float, int]]:
+        """The latest collections (at most KEPT), oldest first: (end on `clock`, seconds, generation)."""
+        return list(self._done)
+
     def within(self, seconds: float) -> tuple[float, int]:
         """(seconds of collection, the oldest generation collected; -1: none) over the last `seconds`."""
         since = self.clock() - seconds
