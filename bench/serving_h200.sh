@@ -19,7 +19,7 @@
 # A dry run on a CPU (the tiny geometry, the checkout's venv): PYTHON=.venv/bin/python TINY=1 bash ...
 set -uo pipefail
 OUT=${OUT:-/tmp/serving_h200}
-PARTS=${PARTS:-first budget split}
+PARTS=${PARTS:-split first budget}
 R=/tmp/serving_results && rm -rf "$R" && mkdir -p "$R" /tmp/site "$OUT"
 if [ "${TINY:-0}" != 1 ]; then
     [ -f .devray-serve/ray-serve.tar.xz ] && tar -xJf .devray-serve/ray-serve.tar.xz -C /tmp/site
