@@ -11,7 +11,8 @@ GPU is idle. Two things here:
   generation (`gc.freeze`), so later collections walk only what serving allocated. It is skipped with
   DFLASH_GC_FREEZE=0 (to measure what it saves). Frozen objects in reference cycles are never
   collected, so whatever replaces start-up objects (a restarted pool's rebind, a drafter's re-attach)
-  calls it again: it thaws the heap first, so what was replaced is collected, then freezes the rest.
+  calls it again: it thaws the heap first, so what was replaced is collected, then freezes the rest;
+  and what closes for good (a replica) thaws it (`thaw_heap`), so what it held can be collected.
 """
 
 from __future__ import annotations
@@ -64,6 +65,11 @@ class GcPauses:
         since = self.clock() - seconds
         recent = [(length, generation) for end, length, generation in self._done if end >= since]
         return sum(length for length, _ in recent), max((generation for _, generation in recent), default=-1)
+
+
+def thaw_heap() -> None:
+    """Back into the collected generations: what a closed replica froze is garbage once let go."""
+    gc.unfreeze()
 
 
 def freeze_startup_heap() -> int:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 
-from foundation.gc_pauses import freeze_startup_heap
+from foundation.gc_pauses import freeze_startup_heap, thaw_heap
 from foundation.secret_file import API_KEY_ENV, POOL_TOKEN_ENV, load_secret
 from kvpool_service.server import BackgroundServer
 from target_service.assembly.in_process import build_engine
@@ -102,3 +102,4 @@ class Replica:
             self.admin.stop()
         if self.assembly is not None:
             self.assembly.close()
+        thaw_heap()  # what the replica froze at start-up can be collected once it is let go

@@ -126,10 +126,24 @@ class PositionRecorder(DraftRecorder):
             self.proposals[key] = self.buffers.draft_tokens[row, :num_draft].tolist()
 
 
-def test_hybrid_keeps_the_drafters_context_whole(tmp_path):
+def switching_back(every: int):
+    """The hybrid's own choice, except that every `every`-th step runs the drafter for every row: the
+    real choice follows this machine's step times, and under a loaded test run it can keep the lookup
+    to the end, so DFlash would never draft after a lookup step and the test below would show nothing."""
+    real, calls = hybrid.choose_step, iter(range(1, 10**9))
+
+    def choose(rows, time_with, time_without):
+        if next(calls) % every == 0:
+            return StepChoice(True, ())
+        return real(rows, time_with, time_without)
+    return choose
+
+
+def test_hybrid_keeps_the_drafters_context_whole(tmp_path, monkeypatch):
     """At every position both reach, the hybrid's DFlash proposal equals a DFlash-only engine's, also
     after steps the lookup drafted: the context store ran for every accepted position whichever
     proposer drafted (a gap in the context would change what DFlash proposes after it)."""
+    monkeypatch.setattr(hybrid, "choose_step", switching_back(int(torch.randint(3, 6, ()).item())))
     target, drafter = make_pair(tmp_path)
     prompts = repeating_prompts(4, 160)
     expected = plain(target, prompts)
