@@ -41,10 +41,11 @@ from target_service.assembly.assembler import TargetAssembler
 from target_service.assembly.draft_link import DrafterLink
 from target_service.assembly.plan import EnginePlan
 from target_service.engine.async_engine import AsyncEngine
-from target_service.engine.engine import POOL_GONE, EngineCounters, LLMEngine
+from target_service.engine.engine import POOL_GONE, LLMEngine
 from target_service.engine.engine_client import EngineDead
 from target_service.engine.outputs import SpecDecodeStats, TokenLogprob
 from target_service.engine.sampling_params import SamplingParams
+from target_service.engine.step_record import EngineCounters
 
 logger = logging.getLogger(__name__)
 

@@ -23,9 +23,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from kvpool_service.control import PoolControl, PoolLimits, PoolUsage
 from kvpool_service.errors import StaleEpoch, TransportError
@@ -34,7 +32,7 @@ from target_service.engine.sampling_params import SamplingParams
 from target_service.engine.scheduler import Scheduler
 from target_service.engine.scheduler_output import DecodeWork, PrefillChunk
 from target_service.engine.sequence import Sequence
-from target_service.engine.slow_steps import SlowSteps
+from target_service.engine.step_record import EngineCounters, StepRecord
 from target_service.engine.step_runner import LaunchedStep, StepRunner
 from target_service.engine.stop_checker import StopChecker
 from target_service.structured.vocabulary import GrammarVocabulary
@@ -42,23 +40,6 @@ from target_service.structured.vocabulary import GrammarVocabulary
 logger = logging.getLogger(__name__)
 
 POOL_GONE = (TransportError, StaleEpoch)  # the pool's process died: a restarted one may take over
-
-
-@dataclass(frozen=True)
-class EngineCounters:
-    """How the engine's steps went, since it started."""
-
-    num_steps: int  # steps read
-    num_steps_ahead: int  # ... of which launched before the step before them was read
-    num_dropped_ahead: int  # sequences whose step ahead was dropped (they finished the step before)
-    num_preemptions: int  # sequences preempted (recompute), pool restarts included
-    num_pool_recoveries: int  # steps that found the pool gone and moved onto its restarted self
-    # steps by the tokens they gave back (vLLM's iteration tokens): the prompt of each request whose
-    # first token came in the step, plus every token the step emitted
-    iteration_tokens: dict[int, int] = field(default_factory=dict)
-    # decode-only steps by the drafts each sequence verified (adaptive speculation's choices show here)
-    decode_steps_by_drafts: dict[int, int] = field(default_factory=dict)
-    num_slow_steps: int = 0  # steps that kept running streams waiting over the slow-step threshold
 
 
 class LLMEngine:
@@ -79,13 +60,9 @@ class LLMEngine:
         self._ahead: LaunchedStep | None = None  # the next step, launched before this one was read
         self._sequences: dict[str, Sequence] = {}
         self._next_seq_id = 0
-        self._num_steps = 0
         self._num_dropped_ahead = 0
         self._num_pool_recoveries = 0
-        self._iteration_tokens: Counter[int] = Counter()
-        self._decode_steps_by_drafts: Counter[int] = Counter()
-        self._last_read: float | None = None  # when the step before was read, if it ran back to back
-        self._slow_steps = SlowSteps.from_env()
+        self._steps = StepRecord()
         self.stats = SpecDecodeStats()  # engine-wide speculative counters
         # on_scheduled(request_id, time.monotonic()): told of every prefill chunk a step schedules, in
         # the engine's thread (the first call for a request is when it left the queue); None: no one
@@ -218,10 +195,11 @@ class LLMEngine:
         return list(self._scheduler.running)
 
     def counters(self) -> EngineCounters:
-        return EngineCounters(self._num_steps, self._runner.num_steps_ahead, self._num_dropped_ahead,
+        steps = self._steps
+        return EngineCounters(steps.num_steps, self._runner.num_steps_ahead, self._num_dropped_ahead,
                               self._scheduler.num_preemptions, self._num_pool_recoveries,
-                              dict(self._iteration_tokens), dict(self._decode_steps_by_drafts),
-                              self._slow_steps.count)
+                              dict(steps.iteration_tokens), dict(steps.decode_steps_by_drafts),
+                              steps.slow_steps.count)
 
     def reset_stats(self) -> SpecDecodeStats:
         """Start the engine-wide speculative counters afresh; returns the ones so far."""
@@ -262,10 +240,10 @@ class LLMEngine:
         self._ahead = self._launch_ahead(launched) if self._async_scheduling else None
         emitted = [len(seq.output_token_ids) for seq in launched.plan.seqs]
         finished = self._complete(launched)
-        self._iteration_tokens[_tokens_given_back(launched.plan.seqs, emitted)] += 1
+        self._steps.gave_back(_tokens_given_back(launched.plan.seqs, emitted))
         self._drop_stale_ahead()
         if not self.has_unfinished:
-            self._last_read = None  # the next step begins after an idle gap, which is not its time
+            self._steps.went_idle()
         return finished
 
     def _launch_scheduled(self) -> LaunchedStep:
@@ -287,8 +265,9 @@ class LLMEngine:
         sequence already finished (in the step before, or aborted since) is left as it is: a step
         launched ahead ran it once too many, and those results are dropped."""
         tokens = self._runner.read(launched)
-        self._num_steps += 1
-        self._time_step(launched)
+        seconds = self._steps.read(launched.plan, launched.verified)
+        if seconds is not None:
+            self._learn_step_time(launched, seconds)
         plan = launched.plan
         live = [seq for seq in plan.seqs if not seq.finish_reason]
         self._num_dropped_ahead += len(plan.seqs) - len(live)
@@ -314,27 +293,13 @@ class LLMEngine:
         self._scheduler.finish(finished)
         return finished
 
-    def _time_step(self, launched: LaunchedStep) -> None:
-        """Count a decode-only step by its drafts per sequence. Adaptive speculation and the hybrid
-        proposer learn what a step costs from the steps the engine runs: the time from one read to
-        the next is the step in between, when it only decoded (a prefill chunk's time is not the
-        verify's), every sequence verified one k, and it followed the one before without an idle
-        gap. Any step with decodes that took too long is a gap its streams saw: `SlowSteps` counts
-        and names it."""
-        now = time.perf_counter()
-        speculation, plan, previous = self._scheduler.speculation, launched.plan, self._last_read
-        self._last_read = now
-        if previous is not None and plan.decodes:
-            self._slow_steps.observe(now - previous, plan, launched.verified)
-        if plan.prefills or len(set(launched.verified)) != 1:
-            return
-        drafts = launched.verified[0]
-        self._decode_steps_by_drafts[drafts] += 1
-        if previous is None:
-            return
+    def _learn_step_time(self, launched: LaunchedStep, seconds: float) -> None:
+        """A decode-only step of one k that ran back to back took `seconds` (`StepRecord.read`):
+        adaptive speculation and the runner's proposer learn what such a step costs."""
+        speculation = self._scheduler.speculation
         if speculation is not None:
-            speculation.step_took(len(plan.decodes), drafts, now - previous)
-        self._runner.step_took(launched, now - previous)
+            speculation.step_took(len(launched.plan.decodes), launched.verified[0], seconds)
+        self._runner.step_took(launched, seconds)
 
     def _isolated(self, seq: Sequence, work: Callable[..., None], *args) -> None:
         """Run one sequence's part of the step; should it raise, that sequence alone fails. The

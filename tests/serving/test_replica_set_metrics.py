@@ -9,9 +9,9 @@ import time
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvpool_service.control import PoolUsage
-from target_service.engine.engine import EngineCounters
 from target_service.engine.engine_client import EngineSnapshot
 from target_service.engine.outputs import SpecDecodeStats
+from target_service.engine.step_record import EngineCounters
 from target_service.serving.metrics import ServerMetrics
 from target_service.serving.replica_set_metrics import METHOD, ReplicaSetMetrics
 

@@ -133,3 +133,25 @@ def test_a_slow_steps_line_says_how_much_of_it_the_garbage_collector_took(caplog
     assert caplog.records[-1].getMessage() == (
         f"a step kept the running streams waiting {1e3 * step_s:.0f} ms (garbage collection "
         f"{1e3 * sum(lengths):.0f} ms of it, up to generation 2): 8 decodes (0 drafts each)")
+
+
+def test_a_steps_time_is_a_verifys_only_back_to_back_decode_only_and_of_one_k():
+    from target_service.engine.step_record import StepRecord
+
+    now = [0.0]
+    record = StepRecord(clock=lambda: now[0])
+    k, gaps = random.randint(1, 15), [random.uniform(0.001, 0.05) for _ in range(5)]
+    steps = [(plan_of(3, [], k), [k] * 3),  # the first read: nothing before it
+             (plan_of(3, [], k), [k] * 3),  # back to back, decode-only, one k: its time
+             (plan_of(2, [(0, 64)], k), [k] * 2),  # a prefill chunk beside: not a verify's time
+             (plan_of(3, [], k), [k, k, 0]),  # two k's
+             (plan_of(3, [], k), [k] * 3)]
+    times = []
+    for gap, (plan, verified) in zip(gaps, steps):
+        now[0] += gap
+        times.append(record.read(plan, verified))
+    assert times == [None, pytest.approx(gaps[1]), None, None, pytest.approx(gaps[4])]
+    record.went_idle()
+    now[0] += 5.0
+    assert record.read(*steps[1]) is None  # after an idle gap
+    assert record.num_steps == 6 and record.decode_steps_by_drafts == {k: 4}
