@@ -21,8 +21,9 @@ import atexit
 import collections
 import gc
 import logging
-import os
 import time
+
+from foundation.environment import env_switch
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +75,7 @@ def thaw_heap() -> None:
 
 def freeze_startup_heap() -> int:
     """Thaw, collect, then freeze what is left (unless DFLASH_GC_FREEZE=0); returns the objects frozen."""
-    if os.environ.get(FREEZE_VARIABLE, "1") == "0":
+    if not env_switch(FREEZE_VARIABLE):
         return 0
     started = time.perf_counter()
     gc.unfreeze()

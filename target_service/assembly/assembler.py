@@ -10,13 +10,13 @@ service maps the step buffers this assembler creates.
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 
 from drafter_service.control import DraftControl
 from drafter_service.step_buffers import StepBuffers
 from foundation.cuda_graph_sizes import capture_sizes
+from foundation.environment import env_switch
 from kernels import paged_warmup
 from kernels.compile_watch import WATCH
 from kvpool_service.control import PoolControl
@@ -151,7 +151,7 @@ class TargetAssembler:
         """The first uses a mixed step's eager forward meets outside Triton, made now, over the pool's
         first pages (`runner.warm_up`; nothing holds them yet). DFLASH_WARM_UP=0 skips it (to measure
         what it saves)."""
-        if self.device.type != "cuda" or os.environ.get("DFLASH_WARM_UP", "1") == "0":
+        if self.device.type != "cuda" or not env_switch("DFLASH_WARM_UP"):
             return
         args, per_seq = self.plan.args, max(self.plan.speculation_choices) + 1
         pool_rows = limits.num_blocks * limits.tokens_per_block

@@ -15,10 +15,10 @@ To hunt smaller stalls, an operator lowers the threshold and the interval withou
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Callable
 
+from foundation.environment import env_number
 from foundation.gc_pauses import GcPauses
 from target_service.engine.scheduler_output import SchedulerOutput
 
@@ -27,21 +27,6 @@ logger = logging.getLogger(__name__)
 SLOW_STEP_S = 0.25
 LOG_EVERY_S = 10.0
 THRESHOLD_VARIABLE, INTERVAL_VARIABLE = "DFLASH_SLOW_STEP_MS", "DFLASH_SLOW_STEP_LOG_EVERY_S"
-
-
-def _seconds_from_env(name: str, default_s: float, scale: float) -> float:
-    """The variable's value (a number >= 0, in seconds once multiplied by `scale`), else the default;
-    a value that is no such number is a ValueError naming the variable."""
-    text = os.environ.get(name, "").strip()
-    if not text:
-        return default_s
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not value >= 0 or value == float("inf"):
-        raise ValueError(f"{name} must be a number >= 0, got {text!r}")
-    return value * scale
 
 
 def describe_step(plan: SchedulerOutput, verified: list[int]) -> str:
@@ -74,8 +59,8 @@ class SlowSteps:
     def from_env(cls) -> SlowSteps:
         """The threshold and log interval the environment sets (`DFLASH_SLOW_STEP_MS`,
         `DFLASH_SLOW_STEP_LOG_EVERY_S`), else the defaults."""
-        return cls(_seconds_from_env(THRESHOLD_VARIABLE, SLOW_STEP_S, 1e-3),
-                   _seconds_from_env(INTERVAL_VARIABLE, LOG_EVERY_S, 1.0))
+        threshold_ms = env_number(THRESHOLD_VARIABLE, 1e3 * SLOW_STEP_S)
+        return cls(threshold_ms / 1e3, env_number(INTERVAL_VARIABLE, LOG_EVERY_S))
 
     def observe(self, seconds: float, plan: SchedulerOutput, verified: list[int]) -> None:
         """One step that had decodes took `seconds` since the step before it was read."""
