@@ -79,13 +79,13 @@ def main(argv: list[str] | None = None) -> int:
     lengths = (["--input-lens-file", args.input_lens_file] if args.input_lens_file
                else ["--input-len", args.input_len])
     WATCH.install()  # the engine installs it too; an engine from before it did is watched all the same
-    collections = GcPauses.shared()  # this process's collections: the server's and the client's heap
+    gc_pauses = GcPauses.shared()  # this process's collections: the server's and the client's heap
     started = time.perf_counter()
     with replica_server(serve_args) as (url, _replica):
         ready_s = time.perf_counter() - started
         WATCH.mark_ready()  # the server answers: what builds from here is on the serving path
         ready_at = time.monotonic()  # compiles after it are timed from here
-        gc_ready_at = collections.clock()
+        gc_ready_at = gc_pauses.clock()
         startup = {"mode": args.mode, "ready_s": round(ready_s, 2),
                    "max_prefill_tokens_with_decodes": args.max_prefill_tokens_with_decodes,
                    "compiled_at_startup": len(WATCH.compilations), "command": " ".join(sys.argv)}
@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
             "--no-progress"])
         startup["oldest_collections_while_serving"] = [  # generation 2: a walk of the whole heap
             {"at_s": round(end - gc_ready_at, 2), "ms": round(1e3 * length, 1)}
-            for end, length, generation in collections.recent() if end > gc_ready_at and generation == 2]
+            for end, length, generation in gc_pauses.recent() if end > gc_ready_at and generation == 2]
         startup["compiled_while_serving"] = [
             {"at_s": round(item.at - ready_at, 2), "why": WATCH.explain(item)} for item in WATCH.after_ready]
     (Path(args.out) / f"{name}_startup.json").write_text(json.dumps(startup, indent=1) + "\n")
