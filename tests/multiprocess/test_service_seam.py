@@ -69,7 +69,8 @@ class PipeDraftControl:
         self._call("propose", num_seqs, num_draft, num_block_cols)
 
 
-def _drafter_process(args: DrafterArgs, pool_handle, conn) -> None:
+def _drafter_process(args: DrafterArgs, pool_handle, conn, threads: int) -> None:
+    torch.set_num_threads(threads)
     assembler = DrafterAssembler(args).load()
     worker = assembler.build(pool_handle, conn.recv())  # the step buffers' handle, from the target
     conn.send(worker.block_size)
@@ -83,7 +84,9 @@ def _drafter_process(args: DrafterArgs, pool_handle, conn) -> None:
     assembler.close()
 
 
-def _target_process(plan: EnginePlan, address: str, pool_handle, drafter_conn, result_conn, prompts) -> None:
+def _target_process(plan: EnginePlan, address: str, pool_handle, drafter_conn, result_conn, prompts,
+                    threads: int) -> None:
+    torch.set_num_threads(threads)
     assembler = TargetAssembler(plan).load()
     buffers = assembler.create_step_buffers(share=True)  # a /dev/shm file the drafter maps
     drafter_conn.send(buffers.export())
@@ -125,10 +128,11 @@ def test_target_and_drafter_in_their_own_processes_equal_the_single_process_engi
     drafter_args = plan.drafter_args()
     target_end, drafter_end = SPAWN.Pipe()
     results, result_end = SPAWN.Pipe(duplex=False)
+    threads = torch.get_num_threads()  # the reference's: equal bytes need equal rounding
     processes = [
-        SPAWN.Process(target=_drafter_process, args=(drafter_args, pool.handle, drafter_end)),
+        SPAWN.Process(target=_drafter_process, args=(drafter_args, pool.handle, drafter_end, threads)),
         SPAWN.Process(target=_target_process,
-                      args=(plan, server.address, pool.handle, target_end, result_end, prompts)),
+                      args=(plan, server.address, pool.handle, target_end, result_end, prompts, threads)),
     ]
     try:
         for process in processes:
