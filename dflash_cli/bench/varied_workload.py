@@ -11,13 +11,13 @@ streaming clients.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
 import itertools
 import random
-import threading
 import time
 
-from target_service.engine.engine_client import RequestDelta
 from target_service.engine.sampling_params import SamplingParams
 
 
@@ -125,48 +125,47 @@ class StreamResult:
 
 def drive_streams(services, requests: list[VariedRequest], rng: random.Random, *,
                   mean_gap_s: float = 0.02, timeout_s: float = 300.0) -> StreamResult:
-    """Run every request through `services` (a started `RayServices`), as a server's clients would:
-    each streams from its own thread, arriving `mean_gap_s` apart on average (exponential gaps, so
-    arrivals land during others' prefills and decodes); a request with `abort_after_steps` cancels
-    its stream after that many deltas (a client that went away)."""
-    import ray
+    """Run every request through `services` (a started `RayServices`) by the replica's own path (a
+    `RemoteEngine`), as a server's clients would: each streams concurrently, arriving `mean_gap_s`
+    apart on average (exponential gaps, so arrivals land during others' prefills and decodes); a
+    request with `abort_after_steps` closes its stream after that many deltas (a client that went
+    away)."""
+    from target_service.assembly.remote_engine import RemoteEngine
 
-    result, lock = StreamResult(), threading.Lock()
+    engine = RemoteEngine(services, max_num_seqs=services.plan.args.max_num_seqs, max_waiting=len(requests))
+    result = StreamResult()
     arrivals = list(itertools.accumulate(rng.expovariate(1 / mean_gap_s) for _ in requests))
-    started = time.monotonic()
 
-    def client(request: VariedRequest, at: float) -> None:
-        time.sleep(max(0.0, started + at - time.monotonic()))
-        stream = services.stream(request.prompt, request.params, request.request_id)
+    async def client(request: VariedRequest, at: float) -> None:
+        await asyncio.sleep(at)
         outcome, deltas = "aborted", 0
         try:
-            for ref in stream:
-                delta = ray.get(ref, timeout=timeout_s)
-                if not isinstance(delta, RequestDelta):  # the target's note of when it was scheduled
-                    continue
-                deltas += 1
-                if delta.finished:
-                    outcome = "finished"
-                    break
-                if request.abort_after_steps is not None and deltas >= request.abort_after_steps:
-                    ray.cancel(stream)
-                    break
+            stream = engine.generate(request.prompt, request.params, request.request_id)
+            async with contextlib.aclosing(stream):
+                async for delta in stream:
+                    deltas += 1
+                    if delta.finished:
+                        outcome = "finished"
+                        break
+                    if request.abort_after_steps is not None and deltas >= request.abort_after_steps:
+                        break
         except Exception as error:  # every failure is reported; none stops the other clients
-            outcome = f"{request.request_id}: {error}"
-        with lock:
-            if outcome == "finished":
-                result.finished += 1
-            elif outcome == "aborted":
-                result.aborted += 1
-            else:
-                result.failed.append(outcome)
+            outcome = f"{request.request_id}: {error!r}"
+        if outcome == "finished":
+            result.finished += 1
+        elif outcome == "aborted":
+            result.aborted += 1
+        else:
+            result.failed.append(outcome)
 
-    threads = [threading.Thread(target=client, args=(request, at), daemon=True)
-               for request, at in zip(requests, arrivals)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(max(1.0, started + timeout_s - time.monotonic()))
-    if any(thread.is_alive() for thread in threads):
-        raise RuntimeError(f"the workload did not end within {timeout_s:g} s")
+    async def main() -> None:
+        try:
+            await asyncio.wait_for(asyncio.gather(*(client(r, at) for r, at in zip(requests, arrivals))),
+                                   timeout_s)
+        except TimeoutError:
+            raise RuntimeError(f"the workload did not end within {timeout_s:g} s") from None
+        finally:
+            await engine.router.stop()
+
+    asyncio.run(main())
     return result

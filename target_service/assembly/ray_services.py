@@ -273,10 +273,20 @@ class RayServices:
         """Start one request on the target; returns its Ray ObjectRef (ray.cancel aborts it)."""
         return self.target.generate.remote(list(prompt_token_ids), params, request_id)
 
-    def stream(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None):
-        """One request as a Ray streaming generator of `RequestDelta` refs (ray.cancel aborts it)."""
-        return self.target.stream.options(num_returns="streaming").remote(list(prompt_token_ids), params,
-                                                                         request_id)
+    def start_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str) -> None:
+        """Start one request whose deltas come through `delta_batches` (its errors too: not waited for)."""
+        self.target.start_request.remote(list(prompt_token_ids), params, request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Abort a started request (not waited for): its pages are freed before the target's next step."""
+        if self.target is not None:  # after close there is nothing left to abort
+            self.target.abort.remote(request_id)
+
+    async def delta_batches(self):
+        """The target's batches of every started request's deltas, for as long as it lives (one Ray
+        streaming call; a dead target raises RayActorError here)."""
+        async for ref in self.target.deltas.options(num_returns="streaming").remote():
+            yield await ref
 
     def check(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """The target's refusal (ValueError) of a request that could never run; None when it can."""

@@ -2,12 +2,15 @@
 
 It offers the `AsyncEngine` surface the OpenAI server, the metrics and the drain read (`generate`,
 `check`, `snapshot`, `num_running`, `num_waiting`, `is_healthy`, `shutdown`), over a `RayServices`
-trio: a request is one Ray streaming-generator call on the target actor, its deltas arriving as the
-engine emits them; closing the stream early (a client that went away) cancels the call, which aborts
-the request in the target's engine and frees its pages. The HTTP contract does not change.
+trio: a request is started on the target actor (`start_request`, not waited for) and its deltas
+arrive, with every other request's, in the batches of one Ray streaming call that a `DeltaRouter`
+hands out by request id; closing a request's iterator early (a client that went away) sends `abort`,
+which frees its pages in the target. The HTTP contract does not change.
 
 The target sends, before a request's first delta, when its engine first scheduled it
-(`RequestScheduled`): that goes to `on_scheduled`, as the in-process engine's hook would.
+(`RequestScheduled`): that goes to `on_scheduled`, as the in-process engine's hook would. A request's
+own error (`RequestFailed`: refused, queue full) is raised before any delta, as the in-process engine
+raises it.
 
 Admission (429) counts the requests this replica has in flight, locally: those past max_num_seqs are
 the waiting ones, as the target's engine would hold them (it may hold more waiting while pages are
@@ -16,10 +19,13 @@ short; the target's own queue bound still applies behind this one).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections.abc import AsyncIterator
 
+from target_service.assembly.delta_outbox import RequestFailed, RequestScheduled
+from target_service.assembly.delta_router import DeltaRouter
 from target_service.engine.engine_client import EngineDead, EngineSnapshot, QueueFull, RequestDelta
 from target_service.engine.sampling_params import SamplingParams
 
@@ -27,6 +33,8 @@ logger = logging.getLogger(__name__)
 
 
 class RemoteEngine:
+    check_blocks = True  # `check` asks the target and waits: the server calls it off its event loop
+
     def __init__(self, services, *, max_num_seqs: int, max_waiting: int = 256):
         """services: a started `RayServices` (this object closes it on shutdown)."""
         self.services = services
@@ -36,6 +44,8 @@ class RemoteEngine:
         self._stopping = False
         self._failed: BaseException | None = None
         self.on_scheduled = None  # on_scheduled(request_id, time.monotonic()), as LLMEngine's hook
+        self.router = DeltaRouter(services.delta_batches, _target_died)
+        self._ids = itertools.count()
 
     # ---- what the server reads --------------------------------------------------------------------
 
@@ -70,36 +80,35 @@ class RemoteEngine:
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
                        request_id: str | None = None) -> AsyncIterator[RequestDelta]:
         """Stream one request's deltas from the target actor; closing the iterator early aborts it."""
-        import ray
-        from ray.exceptions import RayActorError
-
-        from target_service.assembly.service import RequestScheduled
-
         if self._stopping:
             raise EngineDead("the engine is shutting down; it takes no new requests")
         if self.num_waiting >= self.max_waiting:
             raise QueueFull(self.num_waiting)
-        self.check(prompt_token_ids, params)
-        stream = self.services.stream(prompt_token_ids, params, request_id)
+        request_id = request_id or f"remote-{next(self._ids)}"
+        items = self.router.open(request_id)  # before the start: no item of it can arrive unrouted
         self._in_flight += 1
         finished = False
         try:
-            async for ref in stream:
-                delta = await ref
-                if isinstance(delta, RequestScheduled):
+            self.services.start_request(prompt_token_ids, params, request_id)
+            while True:
+                item = await items.get()
+                if isinstance(item, RequestScheduled):
                     if self.on_scheduled is not None:
-                        self.on_scheduled(delta.request_id, delta.at)
+                        self.on_scheduled(item.request_id, item.at)
                     continue
-                finished = delta.finished
-                yield delta
+                if isinstance(item, RequestFailed):
+                    raise item.error
+                if isinstance(item, BaseException):  # the stream broke: the target died
+                    raise item
+                finished = item.finished
+                yield item
                 if finished:
                     return
-        except RayActorError as error:
-            raise EngineDead(f"the target service died mid-request: {error}") from None
         finally:
             self._in_flight -= 1
+            self.router.close(request_id)
             if not finished:
-                ray.cancel(stream)  # the target's engine aborts the request and frees its pages
+                self.services.abort(request_id)  # the target's engine aborts it and frees its pages
 
     def shutdown(self, timeout: float = 30.0) -> None:
         """Stop taking requests, let those in flight finish, then stop the three services."""
@@ -108,3 +117,7 @@ class RemoteEngine:
         while self._in_flight and time.monotonic() < deadline:
             time.sleep(0.05)
         self.services.close()
+
+
+def _target_died(error: BaseException) -> str:
+    return f"the target service died mid-request: {error}"

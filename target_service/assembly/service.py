@@ -2,9 +2,11 @@
 
 It loads the target, maps the pool by handle, reaches the block manager only over gRPC (batched, and
 leased ahead so most steps make no blocking call), creates the step buffers and the step channel the
-drafter maps, and drives the drafter over that channel. Requests come in through `generate`, an
-async method (Ray runs it on the actor's event loop) over an `AsyncEngine`: the step loop runs in its
-own thread and a cancelled call aborts its request, which frees its pages.
+drafter maps, and drives the drafter over that channel. Requests run over an `AsyncEngine` (the step
+loop in its own thread): `generate` runs one to its end (the offline API; a cancelled call aborts
+it), and the HTTP replica starts them with `start_request` and reads every request's deltas in
+batches from one `deltas` stream (`DeltaOutbox`: one streamed item per request and step cost too
+much CPU on both sides).
 
 Peers are found through a `ServicePeers` (the Ray layer implements it by actor name), so this class
 knows nothing of Ray. Faults it survives:
@@ -20,7 +22,6 @@ knows nothing of Ray. Faults it survives:
 
 from __future__ import annotations
 
-import itertools
 import logging
 import os
 import time
@@ -38,6 +39,7 @@ from kvpool_service.leased_control import LeasedPoolControl
 from kvpool_service.metered_client import MeteredKVPoolClient
 from kvpool_service.service import PoolInfo
 from target_service.assembly.assembler import TargetAssembler
+from target_service.assembly.delta_outbox import DeltaOutbox
 from target_service.assembly.draft_link import DrafterLink
 from target_service.assembly.plan import EnginePlan
 from target_service.engine.async_engine import AsyncEngine
@@ -87,16 +89,6 @@ class GenerationResult:
     prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
-@dataclass(frozen=True)
-class RequestScheduled:
-    """What `stream` sends once, before a request's first delta: when the engine first scheduled it,
-    on this process's `time.monotonic()` (the replica that reads it runs on the same node: the trio
-    sits in the replica's placement group)."""
-
-    request_id: str
-    at: float
-
-
 class TargetService:
     def __init__(self, plan: EnginePlan, peers: ServicePeers, *, pool_token: str | None = None,
                  lease_tokens: int = DEFAULT_LEASE_TOKENS, max_waiting: int = 256):
@@ -114,8 +106,7 @@ class TargetService:
         self.channel: StepChannel | None = None
         self.pool: PoolInfo | None = None
         self._attacher = ThreadPoolExecutor(1, thread_name_prefix="dflash-attach-drafter")  # one at a time
-        self._scheduled_at: dict[str, float | None] = {}  # streamed requests: when first scheduled
-        self._stream_ids = itertools.count()
+        self.outbox = DeltaOutbox(self._generate)  # streamed requests' deltas, batched for the replica
         if peers.pool_info(wait=False) is not None:  # restarted by Ray: the pool is already up
             self.start(restarted=True)
 
@@ -146,7 +137,7 @@ class TargetService:
                 self._reattach_drafter().result(ATTACH_TIMEOUT_S)
         self.engine = self.assembler.build(self.control, self.pool.handle, self.link,
                                            on_pool_lost=self._recover_pool)
-        self.engine.on_scheduled = self._note_scheduled
+        self.engine.on_scheduled = self.outbox.note_scheduled
         self._serve()
         freeze_startup_heap()  # collections walk only what serving allocates (`foundation.gc_pauses`)
         logger.info("target service (pid %d) serving on pool epoch %d", os.getpid(), self.pool.epoch)
@@ -252,26 +243,27 @@ class TargetService:
                                 last.num_prompt_tokens, last.spec_decode or SpecDecodeStats(), logprobs,
                                 prompt_logprobs)
 
-    async def stream(self, prompt_token_ids: list[int], params: SamplingParams,
-                     request_id: str | None = None):
-        """One request's deltas as they come (a Ray streaming generator: cancelling it aborts the
-        request and frees its pages), the first one after a `RequestScheduled`."""
+    async def start_request(self, prompt_token_ids: list[int], params: SamplingParams,
+                            request_id: str) -> None:
+        """Start one request whose deltas (or error) leave through `deltas`; it never raises, so the
+        replica need not wait for its answer."""
         if self.async_engine is None:
-            raise EngineDead("the target service has not started: its pool is not up yet")
-        request_id = request_id or f"stream-{next(self._stream_ids)}"
-        self._scheduled_at[request_id] = None
-        try:
-            async for delta in self.async_engine.generate(prompt_token_ids, params, request_id):
-                if self._scheduled_at.get(request_id) is not None:  # set by the engine before its deltas
-                    yield RequestScheduled(request_id, self._scheduled_at.pop(request_id))
-                yield delta
-        finally:
-            self._scheduled_at.pop(request_id, None)
+            self.outbox.fail(request_id, EngineDead("the target service has not started: its pool is not up"))
+            return
+        self.outbox.start(prompt_token_ids, params, request_id)
 
-    def _note_scheduled(self, request_id: str, at: float) -> None:
-        """The engine's on_scheduled (its thread): the first time a streamed request is scheduled."""
-        if request_id in self._scheduled_at and self._scheduled_at[request_id] is None:
-            self._scheduled_at[request_id] = at
+    async def abort(self, request_id: str) -> bool:
+        """Abort a streamed request (its client went away): its pages are freed before the next step."""
+        return self.outbox.abort(request_id)
+
+    async def deltas(self):
+        """Every streamed request's deltas, in batches, for as long as the replica reads (a Ray
+        streaming generator; its end aborts the requests still running: `DeltaOutbox`)."""
+        async for batch in self.outbox.batches():
+            yield batch
+
+    def _generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str):
+        return self.async_engine.generate(prompt_token_ids, params, request_id)
 
     def snapshot(self) -> dict:
         """The counters and queue lengths the server's metrics and admission read."""

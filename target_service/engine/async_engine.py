@@ -54,6 +54,8 @@ class _Tracked:
 class AsyncEngine:
     """The in-process `EngineClient`."""
 
+    check_blocks = False  # `check` reads the engine here (a grammar's compile aside: see `check`)
+
     def __init__(self, engine: LLMEngine, *, max_waiting: int = 256):
         """engine: an `LLMEngine` this object takes over (no one else may call it afterwards)."""
         self.engine = engine
@@ -176,8 +178,10 @@ class AsyncEngine:
                 self.engine.abort(request_id)
 
     def _publish(self) -> None:
-        """Post every tracked request's new tokens and text; finished ones leave the engine. A request
+        """Post every tracked request's new tokens and text, one hand-over per event loop (a step's
+        deltas wake a loop once, not once per request); finished ones leave the engine. A request
         whose delta cannot be made fails alone."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[str, asyncio.Queue, RequestDelta]]] = {}
         for request_id in list(self._tracked):
             tracked = self._tracked[request_id]
             try:
@@ -190,8 +194,11 @@ class AsyncEngine:
                 continue
             if delta.finished:
                 del self._tracked[request_id]
-            if not _deliver(tracked, delta):
-                self._consumer_gone(request_id)
+            by_loop.setdefault(tracked.loop, []).append((request_id, tracked.queue, delta))
+        for loop, posts in by_loop.items():
+            if not _hand_over(loop, [(queue, delta) for _, queue, delta in posts]):
+                for request_id, _, _ in posts:
+                    self._consumer_gone(request_id)
 
     def _consumer_gone(self, request_id: str) -> None:
         """The request's event loop has closed: no one can read it any more, so it leaves the engine."""
@@ -249,11 +256,21 @@ class AsyncEngine:
 
 def _deliver(tracked: _Tracked, item) -> bool:
     """Hand `item` to the request's queue on its event loop; False when that loop has closed."""
+    return _hand_over(tracked.loop, [(tracked.queue, item)])
+
+
+def _hand_over(loop: asyncio.AbstractEventLoop, posts: list[tuple[asyncio.Queue, object]]) -> bool:
+    """Put each item on its queue, on `loop`, in one callback; False when that loop has closed."""
     try:
-        tracked.loop.call_soon_threadsafe(tracked.queue.put_nowait, item)
+        loop.call_soon_threadsafe(_put_all, posts)
     except RuntimeError:  # asyncio's "Event loop is closed"
         return False
     return True
+
+
+def _put_all(posts: list[tuple[asyncio.Queue, object]]) -> None:
+    for request_queue, item in posts:
+        request_queue.put_nowait(item)
 
 
 def _held_back(text: str, params: SamplingParams) -> int:

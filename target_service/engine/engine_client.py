@@ -21,7 +21,11 @@ class QueueFull(RuntimeError):
 
     def __init__(self, waiting: int, retry_after_s: int = 1):
         super().__init__(f"{waiting} requests are already waiting for the engine; retry later")
+        self.waiting = waiting
         self.retry_after_s = retry_after_s
+
+    def __reduce__(self):  # it crosses from the target service to the replica as it is
+        return QueueFull, (self.waiting, self.retry_after_s)
 
 
 class EngineDead(RuntimeError):
@@ -66,6 +70,8 @@ class EngineSnapshot:
 
 @runtime_checkable
 class EngineClient(Protocol):
+    check_blocks: bool  # `check` waits on another process: callers on an event loop run it in a thread
+
     @property
     def is_healthy(self) -> bool: ...
 

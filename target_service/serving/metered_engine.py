@@ -37,6 +37,10 @@ class MeteredEngine:
         return self.engine.is_healthy
 
     @property
+    def check_blocks(self) -> bool:
+        return self.engine.check_blocks
+
+    @property
     def num_running(self) -> int:
         return self.engine.num_running
 

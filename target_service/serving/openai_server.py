@@ -260,9 +260,9 @@ class OpenAIServer:
                 continue
             checked.add(id(job.prompt_token_ids))
             try:
-                if job.params.structured_outputs is None:
+                if job.params.structured_outputs is None and not self.engine.check_blocks:
                     self.engine.check(job.prompt_token_ids, job.params)
-                else:  # compiling a grammar can take a while: off the event loop
+                else:  # compiling a grammar, or asking the target's actor, waits: off the event loop
                     await asyncio.to_thread(self.engine.check, job.prompt_token_ids, job.params)
             except ValueError as error:
                 field = structured_field if str(error).startswith("structured outputs") else "prompt"

@@ -46,6 +46,7 @@ class FakeEngine:
     num_waiting: int = 0
     num_running: int = 0
     is_healthy: bool = True
+    check_blocks: bool = False
     fail_with: Exception | None = None  # generate raises it before its first delta
     checked: list = field(default_factory=list)  # (prompt ids, params) per check
     generated: list = field(default_factory=list)  # (prompt ids, params) per request

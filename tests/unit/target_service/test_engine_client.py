@@ -47,6 +47,12 @@ def test_each_engine_has_every_member_of_the_protocol_in_its_shape(engine):
         assert shape(vars(engine)[name]) == shape(member), f"{engine.__name__}.{name}"
 
 
+@pytest.mark.parametrize("engine", [AsyncEngine, RemoteEngine], ids=lambda cls: cls.__name__)
+def test_each_engine_says_whether_its_check_waits_on_another_process(engine):
+    assert set(EngineClient.__annotations__) == {"check_blocks"}
+    assert engine.check_blocks is (engine is RemoteEngine)
+
+
 def test_a_member_of_another_shape_is_caught():
     class Drifted:
         def check(self, prompt_token_ids, params, strict=True): ...
