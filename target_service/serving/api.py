@@ -168,7 +168,8 @@ def create_app(holder: ServerHolder) -> FastAPI:
         body = ChatCompletionRequest.from_body(await read_json(request))
         return await _answer(request, body, server.chat, server.chat_stream)
 
-    app.openapi = lambda: openapi_schema(app, (CompletionRequest, ChatCompletionRequest))
+    app.openapi = lambda: openapi_schema(app, (CompletionRequest, ChatCompletionRequest),
+                                         holder.server.vocab_size if holder.is_installed else None)
     return app
 
 

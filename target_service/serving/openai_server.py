@@ -27,6 +27,7 @@ import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+from foundation.checkpoint_config import load_target_config
 from target_service.engine.engine_client import EngineClient, EngineDead, QueueFull
 from target_service.serving.api_errors import ApiError
 from target_service.serving.chat_request import ChatCompletionRequest
@@ -82,6 +83,7 @@ class OpenAIServer:
         self.max_model_len = max_model_len
         self.target_dir = Path(target_dir)
         self.tool_format = tool_format(model_type_of(self.target_dir))
+        self.vocab_size = load_target_config(self.target_dir).vocab_size  # prompt token ids lie below it
         self.api_key = api_key
         self.spec_decode_metrics = spec_decode_metrics
         self.draining = False

@@ -1,10 +1,14 @@
 """The OpenAPI schema (`/openapi.json`, `/docs`): each body declared as the very model that parses it.
 
 The routes read the JSON themselves (to apply the body limits first), so the schema is attached with
-`openapi_extra`, and its components are those models' `model_json_schema()`.
+`openapi_extra`, and its components are those models' `model_json_schema()`, with one bound only the
+served model knows: a completion prompt's token ids lie in its vocabulary, 0..vocab_size - 1
+(`bound_prompt_token_ids`; the engine refuses others with a 400 naming the range).
 """
 
 from __future__ import annotations
+
+import copy
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
@@ -41,8 +45,9 @@ def responses(model: type[BaseModel], *, stream: bool = True) -> dict:
     return {200: ok, **errors}
 
 
-def openapi_schema(app: FastAPI, request_models) -> dict:
-    """FastAPI's schema of the routes, with the request models' own schemas as components."""
+def openapi_schema(app: FastAPI, request_models, vocab_size: int | None = None) -> dict:
+    """FastAPI's schema of the routes, with the request models' own schemas as components; given the
+    served model's `vocab_size`, with the prompt's token ids bounded by it."""
     if app.openapi_schema is None:
         schema = get_openapi(title=app.title, version=app.version, summary=app.summary, routes=app.routes)
         components = schema.setdefault("components", {}).setdefault("schemas", {})
@@ -51,7 +56,36 @@ def openapi_schema(app: FastAPI, request_models) -> dict:
                 raise RuntimeError(f"two schemas are named {name} in the OpenAPI components")
             components[name] = part
         app.openapi_schema = schema
-    return app.openapi_schema
+    if vocab_size is None:
+        return app.openapi_schema
+    bounded = getattr(app.state, "bounded_openapi", None)
+    if bounded is None or bounded[0] != vocab_size:
+        bounded = app.state.bounded_openapi = (vocab_size, bound_prompt_token_ids(app.openapi_schema,
+                                                                                   vocab_size))
+    return bounded[1]
+
+
+PROMPT_TOKEN_IDS = "a token id of the served model's vocabulary, 0..{last}"
+
+
+def bound_prompt_token_ids(schema: dict, vocab_size: int) -> dict:
+    """A copy of `schema` in which every token id of a completion prompt is at most vocab_size - 1."""
+    bounded = copy.deepcopy(schema)
+    prompt = bounded["components"]["schemas"]["CompletionRequest"]["properties"]["prompt"]
+    for node in _integer_nodes(prompt):
+        node["maximum"] = vocab_size - 1
+        node["description"] = PROMPT_TOKEN_IDS.format(last=vocab_size - 1)
+    return bounded
+
+
+def _integer_nodes(schema):
+    """The integer schemas inside `schema`: the items of its arrays, the branches of its unions."""
+    if schema.get("type") == "integer":
+        yield schema
+    for branch in schema.get("anyOf", ()):
+        yield from _integer_nodes(branch)
+    if isinstance(schema.get("items"), dict):
+        yield from _integer_nodes(schema["items"])
 
 
 def request_schemas(models) -> dict[str, dict]:

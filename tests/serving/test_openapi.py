@@ -9,7 +9,7 @@ import json
 
 import jsonschema
 import pytest
-from fake_engine import EXPLODE, assert_openai_error, call, fake_app
+from fake_engine import EXPLODE, assert_openai_error, call, demo_target_path, fake_app
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from json_schema_strategy import SchemaBodies
@@ -81,6 +81,14 @@ def test_openapi_and_docs_are_served_without_an_api_key():
     assert_openai_error(refused, 401, code="invalid_api_key")
 
 
+def without_prompt_token_bound(schema: dict) -> dict:
+    """The served CompletionRequest with its prompt as the model writes it (the served one bounds the
+    token ids by the vocabulary: `test_the_prompt_s_token_ids_are_bounded_by_the_served_vocabulary`)."""
+    schema = json.loads(json.dumps(schema))
+    schema["properties"]["prompt"] = CompletionRequest.model_json_schema()["properties"]["prompt"]
+    return schema
+
+
 @pytest.mark.parametrize(("path", "model"), ROUTES.items())
 def test_each_request_body_in_the_schema_is_its_model_s_json_schema(document, path, model):
     body = document["paths"][path]["post"]["requestBody"]
@@ -88,10 +96,30 @@ def test_each_request_body_in_the_schema_is_its_model_s_json_schema(document, pa
     served = body["content"]["application/json"]["schema"]
     assert served == {"$ref": REF.format(model.__name__)}
     own = model.model_json_schema()
-    assert inline(served, document) == inline(own, own)
+    served = inline(served, document)
+    if model is CompletionRequest:
+        served = without_prompt_token_bound(served)
+    assert served == inline(own, own)
     components = document["components"]["schemas"]
     for name, part in request_schemas([model]).items():  # and verbatim, reference by reference
-        assert components[name] == part
+        assert (without_prompt_token_bound(components[name]) if name == "CompletionRequest"
+                else components[name]) == part
+
+
+def test_the_prompt_s_token_ids_are_bounded_by_the_served_vocabulary(document):
+    """Only the served model knows its vocabulary; the engine refuses an id past it with a 400."""
+    vocab_size = json.loads((demo_target_path() / "config.json").read_text())["vocab_size"]
+    prompt = document["components"]["schemas"]["CompletionRequest"]["properties"]["prompt"]
+    token_ids = [branch["items"] for branch in prompt["anyOf"] if branch["type"] == "array"
+                 and branch["items"].get("type") == "integer"]
+    token_ids += [branch["items"]["items"] for branch in prompt["anyOf"] if branch["type"] == "array"
+                  and branch["items"].get("type") == "array"]
+    assert len(token_ids) == 2  # a prompt of ids; a batch of them
+    for schema in token_ids:
+        assert schema["minimum"] == 0 and schema["maximum"] == vocab_size - 1
+        assert str(vocab_size - 1) in schema["description"]
+    stop_ids = document["components"]["schemas"]["CompletionRequest"]["properties"]["stop_token_ids"]
+    assert stop_ids == CompletionRequest.model_json_schema()["properties"]["stop_token_ids"]  # unbounded
 
 
 @pytest.mark.parametrize("model", ROUTES.values())
