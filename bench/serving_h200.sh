@@ -14,7 +14,8 @@
 #
 #   OUT=DIR [PARTS="split first budget"] [FIRST_VARIANTS="nowarm warm eager"] [KEEP_CACHE=1] bash bench/serving_h200.sh
 # FIRST_VARIANTS may also name nofreeze (DFLASH_GC_FREEZE=0) and freeze; KEEP_CACHE=1 lets the first
-# part's runs share one Triton cache (only the first compiles).
+# part's runs share one Triton cache (only the first compiles). The split's SPLIT_SERVICES ("inprocess
+# ray"), SPLIT_CONCURRENCY ("1 32") and SPLIT_ROUNDS ("1 2") cut it down for a short device call.
 # Everything lands in DIR/serving_h200.tar.gz (a call returns 8 files) and a summary is printed last.
 # A dry run on a CPU (the tiny geometry, the checkout's venv): PYTHON=.venv/bin/python TINY=1 bash ...
 set -uo pipefail
@@ -47,7 +48,7 @@ write_word_tokenizer(target, load_target_config(target).vocab_size)
 print(target, drafter)" > "$R/pair.txt" 2>&1 || cat "$R/pair.txt"
     read -r TARGET DRAFTER < <(tail -n 1 "$R/pair.txt")
     port=8300
-    for services in inprocess ray; do
+    for services in ${SPLIT_SERVICES:-inprocess ray}; do
         port=$((port + 1))
         $PY -m dflash_cli.main serve --target "$TARGET" --drafter "$DRAFTER" --services "$services" \
             --port $port --admin-port -1 -k $K --max-num-seqs 32 --max-model-len $LEN --kv-cache-memory $MEMORY \
@@ -58,13 +59,14 @@ print(target, drafter)" > "$R/pair.txt" 2>&1 || cat "$R/pair.txt"
             grep -q "ready at" "$R/split_server_$services.log" || ! kill -0 $server 2> /dev/null && break; sleep 1
         done
         summary "$R/split_server_$services.log" 'ready at|Error|error' 3
-        for round in 1 2; do
-            for c in 1 32; do
+        for round in ${SPLIT_ROUNDS:-1 2}; do
+            for c in ${SPLIT_CONCURRENCY:-1 32}; do
                 n=$((c == 1 ? 16 : 64))
                 timeout 90 $PY -m dflash_cli.main bench serve --url "http://127.0.0.1:$port/v1" --concurrency $c \
                     --num-prompts $n --prompts random --tokenizer-dir "$TARGET" --input-len 128 --output-len 128 \
                     --no-progress --out "$R" --name "split_${services}_c${c}_r$round" > "$R/split_bench.log" 2>&1
                 echo "$services C $c round $round: exit $?"; summary "$R/split_${services}_c${c}_r$round.md" '^\| concurrency' 1
+                tar -czf "$OUT/serving_h200.tar.gz" -C "$R" .  # a call cut short keeps each finished load
             done
         done
         kill -TERM $server; for _ in $(seq 40); do kill -0 $server 2> /dev/null || break; sleep 1; done
