@@ -8,7 +8,16 @@ import random
 import string
 
 import pytest
-from fake_engine import EXPLODE, MAX_MODEL_LEN, FakeEngine, FakeTokenizer, assert_openai_error, call, fake_app
+from fake_engine import (
+    EXPLODE,
+    MAX_MODEL_LEN,
+    FakeEngine,
+    FakeTokenizer,
+    assert_openai_error,
+    call,
+    demo_target_path,
+    fake_app,
+)
 
 from target_service.serving.api import ServerHolder, create_app
 from target_service.serving.api_errors import ApiError
@@ -87,7 +96,7 @@ def test_a_fault_mid_stream_ends_it_with_an_openai_error_event_and_done():
 def test_every_answer_names_its_replica_errors_and_faults_included():
     holder = ServerHolder()
     holder.install(OpenAIServer(FakeEngine(), FakeTokenizer(), model_name="fake", max_model_len=MAX_MODEL_LEN,
-                                target_dir="."))
+                                target_dir=demo_target_path()))
     holder.rank = 3
     app = create_app(holder)
     answers = [call(app, "GET", "/health"), call(app, "GET", "/nowhere"),
