@@ -169,7 +169,7 @@ def create_app(holder: ServerHolder) -> FastAPI:
         return await _answer(request, body, server.chat, server.chat_stream)
 
     app.openapi = lambda: openapi_schema(app, (CompletionRequest, ChatCompletionRequest),
-                                         holder.server.vocab_size if holder.is_installed else None)
+                                         holder.server.limits if holder.is_installed else None)
     return app
 
 

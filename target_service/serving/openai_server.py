@@ -54,6 +54,7 @@ from target_service.serving.openai_responses import (
     UsageInfo,
 )
 from target_service.serving.openai_streams import ChoiceStreams
+from target_service.serving.openapi_schema import ServedLimits
 from target_service.serving.prompt_chars import max_prompt_chars
 from target_service.serving.spec_decode_metrics import SpecDecodeMetricsLevel, response_metrics
 from target_service.serving.tool_formats import assistant_message, model_type_of, tool_format
@@ -83,7 +84,8 @@ class OpenAIServer:
         self.max_model_len = max_model_len
         self.target_dir = Path(target_dir)
         self.tool_format = tool_format(model_type_of(self.target_dir))
-        self.vocab_size = load_target_config(self.target_dir).vocab_size  # prompt token ids lie below it
+        # what the served schema bounds: prompt token ids lie in the vocabulary, outputs in the context
+        self.limits = ServedLimits(load_target_config(self.target_dir).vocab_size, max_model_len)
         self.api_key = api_key
         self.spec_decode_metrics = spec_decode_metrics
         self.draining = False

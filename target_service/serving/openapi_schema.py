@@ -1,14 +1,17 @@
 """The OpenAPI schema (`/openapi.json`, `/docs`): each body declared as the very model that parses it.
 
 The routes read the JSON themselves (to apply the body limits first), so the schema is attached with
-`openapi_extra`, and its components are those models' `model_json_schema()`, with one bound only the
-served model knows: a completion prompt's token ids lie in its vocabulary, 0..vocab_size - 1
-(`bound_prompt_token_ids`; the engine refuses others with a 400 naming the range).
+`openapi_extra`, and its components are those models' `model_json_schema()`, with the bounds only the
+served model knows (`ServedLimits`, applied by `bound_by_served_model`): a completion prompt's token
+ids lie in its vocabulary, 0..vocab_size - 1, and no request generates more than max_model_len - 1
+tokens (a prompt has at least one). The server refuses what is past them with a 400 naming the field;
+the tighter bound, max_model_len less the prompt's length, depends on the prompt and is not in a schema.
 """
 
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
@@ -45,9 +48,15 @@ def responses(model: type[BaseModel], *, stream: bool = True) -> dict:
     return {200: ok, **errors}
 
 
-def openapi_schema(app: FastAPI, request_models, vocab_size: int | None = None) -> dict:
+@dataclass(frozen=True)
+class ServedLimits:
+    vocab_size: int
+    max_model_len: int
+
+
+def openapi_schema(app: FastAPI, request_models, limits: ServedLimits | None = None) -> dict:
     """FastAPI's schema of the routes, with the request models' own schemas as components; given the
-    served model's `vocab_size`, with the prompt's token ids bounded by it."""
+    served model's limits, with the fields they bound bounded."""
     if app.openapi_schema is None:
         schema = get_openapi(title=app.title, version=app.version, summary=app.summary, routes=app.routes)
         components = schema.setdefault("components", {}).setdefault("schemas", {})
@@ -56,26 +65,37 @@ def openapi_schema(app: FastAPI, request_models, vocab_size: int | None = None) 
                 raise RuntimeError(f"two schemas are named {name} in the OpenAPI components")
             components[name] = part
         app.openapi_schema = schema
-    if vocab_size is None:
+    if limits is None:
         return app.openapi_schema
     bounded = getattr(app.state, "bounded_openapi", None)
-    if bounded is None or bounded[0] != vocab_size:
-        bounded = app.state.bounded_openapi = (vocab_size, bound_prompt_token_ids(app.openapi_schema,
-                                                                                   vocab_size))
+    if bounded is None or bounded[0] != limits:
+        bounded = app.state.bounded_openapi = (limits, bound_by_served_model(app.openapi_schema, limits))
     return bounded[1]
 
 
 PROMPT_TOKEN_IDS = "a token id of the served model's vocabulary, 0..{last}"
+OUTPUT_TOKENS = ("at most the served model's context length less the prompt's tokens: never more than "
+                 "{last}")
+BOUNDED_OUTPUTS = {"CompletionRequest": ("max_tokens",),
+                   "ChatCompletionRequest": ("max_tokens", "max_completion_tokens")}
 
 
-def bound_prompt_token_ids(schema: dict, vocab_size: int) -> dict:
-    """A copy of `schema` in which every token id of a completion prompt is at most vocab_size - 1."""
+def bound_by_served_model(schema: dict, limits: ServedLimits) -> dict:
+    """A copy of `schema` in which every token id of a completion prompt is at most vocab_size - 1 and
+    every output length at most max_model_len - 1."""
     bounded = copy.deepcopy(schema)
-    prompt = bounded["components"]["schemas"]["CompletionRequest"]["properties"]["prompt"]
-    for node in _integer_nodes(prompt):
-        node["maximum"] = vocab_size - 1
-        node["description"] = PROMPT_TOKEN_IDS.format(last=vocab_size - 1)
+    models = bounded["components"]["schemas"]
+    _bound(models["CompletionRequest"]["properties"]["prompt"], limits.vocab_size - 1, PROMPT_TOKEN_IDS)
+    for model, fields in BOUNDED_OUTPUTS.items():
+        for name in fields:
+            _bound(models[model]["properties"][name], limits.max_model_len - 1, OUTPUT_TOKENS)
     return bounded
+
+
+def _bound(schema: dict, last: int, description: str) -> None:
+    for node in _integer_nodes(schema):
+        node["maximum"] = last
+        node["description"] = description.format(last=last)
 
 
 def _integer_nodes(schema):

@@ -9,7 +9,7 @@ import json
 
 import jsonschema
 import pytest
-from fake_engine import EXPLODE, assert_openai_error, call, demo_target_path, fake_app
+from fake_engine import EXPLODE, MAX_MODEL_LEN, assert_openai_error, call, demo_target_path, fake_app
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from json_schema_strategy import SchemaBodies
@@ -17,7 +17,7 @@ from json_schema_strategy import SchemaBodies
 from target_service.serving.api_errors import ApiError
 from target_service.serving.chat_request import ChatCompletionRequest
 from target_service.serving.openai_protocol import CompletionRequest
-from target_service.serving.openapi_schema import request_schemas
+from target_service.serving.openapi_schema import OUTPUT_TOKENS, request_schemas
 
 ROUTES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest}
 REF = "#/components/schemas/{}"
@@ -81,11 +81,16 @@ def test_openapi_and_docs_are_served_without_an_api_key():
     assert_openai_error(refused, 401, code="invalid_api_key")
 
 
-def without_prompt_token_bound(schema: dict) -> dict:
-    """The served CompletionRequest with its prompt as the model writes it (the served one bounds the
-    token ids by the vocabulary: `test_the_prompt_s_token_ids_are_bounded_by_the_served_vocabulary`)."""
+SERVED_BOUNDS = {CompletionRequest: ("prompt", "max_tokens"),
+                 ChatCompletionRequest: ("max_tokens", "max_completion_tokens")}
+
+
+def without_served_bounds(schema: dict, model) -> dict:
+    """A served request schema with the fields the served model bounds as `model` writes them (the
+    served ones: `test_the_served_model_s_limits_bound_token_ids_and_output_lengths`)."""
     schema = json.loads(json.dumps(schema))
-    schema["properties"]["prompt"] = CompletionRequest.model_json_schema()["properties"]["prompt"]
+    for name in SERVED_BOUNDS[model]:
+        schema["properties"][name] = model.model_json_schema()["properties"][name]
     return schema
 
 
@@ -96,18 +101,16 @@ def test_each_request_body_in_the_schema_is_its_model_s_json_schema(document, pa
     served = body["content"]["application/json"]["schema"]
     assert served == {"$ref": REF.format(model.__name__)}
     own = model.model_json_schema()
-    served = inline(served, document)
-    if model is CompletionRequest:
-        served = without_prompt_token_bound(served)
-    assert served == inline(own, own)
+    assert without_served_bounds(inline(served, document), model) == inline(own, own)
     components = document["components"]["schemas"]
     for name, part in request_schemas([model]).items():  # and verbatim, reference by reference
-        assert (without_prompt_token_bound(components[name]) if name == "CompletionRequest"
+        assert (without_served_bounds(components[name], model) if name == model.__name__
                 else components[name]) == part
 
 
-def test_the_prompt_s_token_ids_are_bounded_by_the_served_vocabulary(document):
-    """Only the served model knows its vocabulary; the engine refuses an id past it with a 400."""
+def test_the_served_model_s_limits_bound_token_ids_and_output_lengths(document):
+    """Only the served model knows its vocabulary and context length; the server refuses what is past
+    them with a 400 (an id outside the vocabulary; more tokens than the context leaves)."""
     vocab_size = json.loads((demo_target_path() / "config.json").read_text())["vocab_size"]
     prompt = document["components"]["schemas"]["CompletionRequest"]["properties"]["prompt"]
     token_ids = [branch["items"] for branch in prompt["anyOf"] if branch["type"] == "array"
@@ -120,6 +123,15 @@ def test_the_prompt_s_token_ids_are_bounded_by_the_served_vocabulary(document):
         assert str(vocab_size - 1) in schema["description"]
     stop_ids = document["components"]["schemas"]["CompletionRequest"]["properties"]["stop_token_ids"]
     assert stop_ids == CompletionRequest.model_json_schema()["properties"]["stop_token_ids"]  # unbounded
+    for model, fields in SERVED_BOUNDS.items():
+        for name in fields[1:] if model is CompletionRequest else fields:
+            field = document["components"]["schemas"][model.__name__]["properties"][name]
+            [integer] = [branch for branch in field["anyOf"] if branch["type"] == "integer"]
+            assert integer["maximum"] == MAX_MODEL_LEN - 1, (model.__name__, name)
+    app, _ = fake_app()
+    for max_tokens, status in ((MAX_MODEL_LEN, 400), (MAX_MODEL_LEN - 1, 200)):  # a 1-token prompt: the bound
+        answer = call(app, "POST", "/v1/completions", json={"prompt": [5], "max_tokens": max_tokens})
+        assert answer.status_code == status, (max_tokens, answer.text[:200])
 
 
 @pytest.mark.parametrize("model", ROUTES.values())
@@ -135,7 +147,9 @@ def test_the_schema_states_the_limits_and_the_strict_types(document):
     assert n == {"type": "integer", "minimum": 1, "maximum": 128}
     assert properties["best_of"]["anyOf"] == [{"enum": [1]}, {"type": "null"}]  # refused unless 1
     assert properties["stream"]["anyOf"] == [{"type": "boolean"}, {"type": "null"}]
-    assert properties["max_tokens"]["anyOf"][0] == {"type": "integer", "minimum": 0}
+    last = MAX_MODEL_LEN - 1  # the served model's context bounds every output length
+    assert properties["max_tokens"]["anyOf"][0] == {"type": "integer", "minimum": 0, "maximum": last,
+                                                    "description": OUTPUT_TOKENS.format(last=last)}
     assert properties["logprobs"]["anyOf"][0] == {"type": "integer", "minimum": 0, "maximum": 20}
     echo_rule = {"if": {"properties": {"max_tokens": {"const": 0}}, "required": ["max_tokens"]},
                  "then": {"properties": {"echo": {"const": True}}, "required": ["echo"]}}
