@@ -329,8 +329,9 @@ class RayServices:
             raise ServiceFailed(f"the target service of replica {self.names.replica} died while serving "
                                 f"{count} requests; they failed and Ray is restarting it: retry them"
                                 ) from error
-        except ray.exceptions.RayTaskError as error:  # the request itself was refused: its own error
-            raise error.as_instanceof_cause() from None
+        except ray.exceptions.RayTaskError as error:  # the request itself was refused: its own error,
+            cause = getattr(error, "cause", None)  # as raised there (Ray's wrapper's text is its traceback)
+            raise (cause if isinstance(cause, Exception) else error.as_instanceof_cause()) from None
 
     # ---- observing ----------------------------------------------------------------------------------
 
