@@ -1,7 +1,7 @@
 """DeltaOutbox: every request's deltas leave the target service together, one batch per wake-up.
 
-Carrying each request's deltas as items of its own Ray streaming call cost ~0.5 ms of CPU per delta
-in the target's process and ~0.8 ms in the replica's (2 CPU cores; `bench/results/delta_transport_cpu.md`):
+Carrying each request's deltas as items of its own Ray streaming call cost ~0.4 ms of CPU per delta
+in the target's process and ~0.7 ms in the replica's (2 CPU cores; `bench/results/delta_transport_cpu.md`):
 at concurrency 32 that is 32 items a step, work that competes with the step loop for the GIL and
 with the replica's event loop for its one thread. So the target keeps one outbox: each request runs
 as a task (`start`) that reads its deltas from the engine and posts them here, and one long-lived

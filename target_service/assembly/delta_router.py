@@ -35,10 +35,6 @@ class DeltaRouter:
         self.num_batches = 0
         self.num_items = 0
 
-    @property
-    def num_open(self) -> int:
-        return len(self._queues)
-
     def open(self, request_id: str) -> asyncio.Queue:
         """The queue `request_id`'s items will arrive on; call before starting it on the target."""
         if request_id in self._queues:

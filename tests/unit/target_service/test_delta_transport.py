@@ -52,6 +52,17 @@ def random_script(request_id: str, rng: random.Random) -> list[RequestDelta]:
             for i in range(count)]
 
 
+def start_all(engine: ScriptedEngine, ids, prompt=(1,)) -> tuple[DeltaOutbox, DeltaRouter, dict]:
+    """An outbox over `engine` wired to a router, and every request of `ids` opened, then started
+    (on the running loop): (outbox, router, each request's queue)."""
+    outbox = DeltaOutbox(engine.generate)
+    router = DeltaRouter(outbox.batches)
+    queues = {request_id: router.open(request_id) for request_id in ids}
+    for request_id in ids:
+        outbox.start(list(prompt), PARAMS, request_id)
+    return outbox, router, queues
+
+
 async def read(queue: asyncio.Queue) -> list:
     """A request's items up to its finished delta or its failure."""
     items = []
@@ -72,11 +83,7 @@ def test_each_request_gets_exactly_its_deltas_in_order_and_its_own_error():
     engine = ScriptedEngine(scripts, rng)
 
     async def main():
-        outbox = DeltaOutbox(engine.generate)
-        router = DeltaRouter(outbox.batches)
-        queues = {request_id: router.open(request_id) for request_id in ids}
-        for request_id in ids:
-            outbox.start([1, 2, 3], PARAMS, request_id)
+        _, router, queues = start_all(engine, ids, prompt=(1, 2, 3))
         results = dict(zip(ids, await asyncio.gather(*(read(queues[i]) for i in ids))))
         await router.stop()
         return results, router
@@ -99,11 +106,7 @@ def test_the_scheduled_time_comes_once_before_the_first_delta():
     engine = ScriptedEngine(scripts, rng)
 
     async def main():
-        outbox = DeltaOutbox(engine.generate)
-        router = DeltaRouter(outbox.batches)
-        queues = {request_id: router.open(request_id) for request_id in scripts}
-        for request_id in scripts:
-            outbox.start([1], PARAMS, request_id)
+        outbox, router, queues = start_all(engine, scripts)
         outbox.note_scheduled("a", 12.5)  # the engine's thread, before the step that made a's deltas
         outbox.note_scheduled("a", 99.0)  # later schedulings do not count
         outbox.note_scheduled("ghost", 1.0)  # nor does a request that is not here
@@ -123,11 +126,8 @@ def test_an_abort_closes_the_engine_stream_and_nothing_more_arrives():
     engine = ScriptedEngine(scripts, rng)
 
     async def main():
-        outbox = DeltaOutbox(engine.generate)
-        router = DeltaRouter(outbox.batches)
-        kept, left = router.open("kept"), router.open("left")
-        outbox.start([1], PARAMS, "kept")
-        outbox.start([1], PARAMS, "left")
+        outbox, router, queues = start_all(engine, ["kept", "left"])
+        kept, left = queues["kept"], queues["left"]
         first = await asyncio.wait_for(left.get(), 5)
         router.close("left")
         routed_before_close = left.qsize()
