@@ -24,9 +24,10 @@ from drafter_service.draft_batch import DraftBatch
 from foundation.checkpoint_config import ConfigError, DrafterConfig
 from foundation.layer_cache import LayerCache, as_layer_caches
 from foundation.weights import WeightSlot, empty_param
-from kernels import paged_context_attention, store_kv
+from kernels import paged_context_attention
 from kernels.fused_layers import norm_rope, rms_norm, silu_and_mul
 from kernels.layers import RotaryEmbedding
+from kernels.qkv_epilogue import norm_rope_store
 
 
 class DraftOutput(NamedTuple):
@@ -54,10 +55,19 @@ class DraftLayer(nn.Module):
         self.gate_up_proj = empty_param([2 * config.intermediate_size, hidden], dtype, device)
         self.down_proj = empty_param([hidden, config.intermediate_size], dtype, device)
 
-    def forward(self, x, kv_proj, k_norm, cos, sin, batch: DraftBatch, cache: LayerCache) -> torch.Tensor:
-        """x [B, Q, H] noise residual stream; kv_proj [2 * NKV * D, H] (k rows over v rows); k_norm [D]."""
+    def forward(self, x, delta, kv_proj, k_norm, cos, sin, batch: DraftBatch, cache: LayerCache):
+        """x + delta [B, Q, H] the noise residual stream (delta None: x alone); kv_proj [2 * NKV * D, H]
+        (k rows over v rows); k_norm [D].
+
+        As in the target's layers, the previous layer's last add is done by this layer's input norm
+        and this layer's is left to the next: returns (x', the stream before this layer's MLP
+        output; delta', that output).
+        """
         batch_size, block_len = x.shape[:2]
-        h = rms_norm(x, self.input_layernorm, self.eps)
+        if delta is None:
+            h = rms_norm(x, self.input_layernorm, self.eps)
+        else:
+            h, x = rms_norm(delta, self.input_layernorm, self.eps, residual=x)
         q = F.linear(h, self.q_proj).view(batch_size, block_len, self.num_heads, self.head_dim)
         k, v = F.linear(h, kv_proj).view(batch_size, block_len, 2, self.num_kv_heads, self.head_dim).unbind(2)
         rows = batch_size * block_len  # per-head norm + RoPE, one fused kernel each on a GPU
@@ -73,7 +83,7 @@ class DraftLayer(nn.Module):
         )
         attn_out = F.linear(attn.reshape(batch_size, block_len, -1), self.o_proj)
         mlp_in, x = rms_norm(attn_out, self.post_attention_layernorm, self.eps, residual=x)
-        return x + F.linear(silu_and_mul(F.linear(mlp_in, self.gate_up_proj)), self.down_proj)
+        return x, F.linear(silu_and_mul(F.linear(mlp_in, self.gate_up_proj)), self.down_proj)
 
 
 def drafter_weight_layout(config: DrafterConfig) -> dict[str, WeightSlot]:
@@ -167,10 +177,10 @@ class DFlashDrafter(nn.Module):
         kv = F.linear(context, self.kv_proj).view(tokens, layers, 2, heads, head_dim)  # one GEMM, all layers
         cos, sin = self.rotary.cos_sin(positions)  # one position per token
         k_norm = self.k_norm.view(layers, head_dim)
-        for layer, cache in enumerate(caches):
-            k = norm_rope(kv[:, layer, 0], k_norm[layer], cos, sin, config.rms_norm_eps)  # [N, NKV, D]
-            store_kv(k, kv[:, layer, 1], cache.k_cache, cache.v_cache, slot_mapping,
-                     k_scale=cache.k_scale, v_scale=cache.v_scale)
+        for layer, cache in enumerate(caches):  # k normed and rotated, k and v stored: one launch a layer
+            norm_rope_store(None, kv[:, layer, 0], kv[:, layer, 1], None, k_norm[layer], cos, sin,
+                            config.rms_norm_eps, cache.k_cache, cache.v_cache, slot_mapping,
+                            k_scale=cache.k_scale, v_scale=cache.v_scale)
 
     @torch.inference_mode()
     def propose(self, batch: DraftBatch, kv_caches: Sequence, embed: torch.Tensor, lm_head: torch.Tensor,
@@ -197,8 +207,10 @@ class DFlashDrafter(nn.Module):
         x = F.embedding(ids, embed).to(self.fc.dtype)  # [B, K+1, H]
         kv_proj = self.kv_proj.view(config.num_hidden_layers, 2 * self.kv_rows, config.hidden_size)
         k_norm = self.k_norm.view(config.num_hidden_layers, config.head_dim)
+        delta = None
         for index, layer in enumerate(self.layers):
-            x = layer(x, kv_proj[index], k_norm[index], cos, sin, batch, caches[index])
-        out = rms_norm(x[:, 1:], self.norm, config.rms_norm_eps)  # block position k: position start + k
+            x, delta = layer(x, delta, kv_proj[index], k_norm[index], cos, sin, batch, caches[index])
+        # the last layer's add, in the final norm; block position k: position start + k
+        out, _ = rms_norm(delta[:, 1:], self.norm, config.rms_norm_eps, residual=x[:, 1:])
         logits = F.linear(out.to(lm_head.dtype), lm_head)  # [B, K, V]; the argmax needs no fp32 copy
         return DraftOutput(logits.argmax(dim=-1), logits.float() if return_logits else None)

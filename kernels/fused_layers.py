@@ -20,7 +20,7 @@ from kernels.dispatch import resolve_backend
 from kernels.layers import apply_rope
 from kernels.layers import rms_norm as rms_norm_reference
 
-_TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 SILU_BLOCK = 1024
 # Heads one norm_rope program takes: one head per program left a 512-row verify (B 32) at ~12 us per
 # layer for q, 16k programs of 64 elements each; a [heads, D/2] tile cuts the programs 8x.
@@ -48,16 +48,11 @@ def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, sum_ptr, n_cols, 
 
 
 @triton.jit
-def _norm_rope_kernel(x_ptr, weight_ptr, cos_ptr, sin_ptr, out_ptr, num_heads, half, stride_xt, stride_xh,
-                      stride_ct, stride_ot, stride_oh, eps, HAS_NORM: tl.constexpr, HEADS: tl.constexpr,
-                      BLOCK: tl.constexpr, DTYPE: tl.constexpr):
-    # HEADS heads of one token: [per-head RMSNorm, rounded like the reference], then the NeoX rotation
-    token = tl.program_id(0)
-    heads = tl.program_id(1) * HEADS + tl.arange(0, HEADS)
-    i = tl.arange(0, BLOCK)
-    col_mask = i < half
-    mask = (heads < num_heads)[:, None] & col_mask[None, :]
-    src = x_ptr + token * stride_xt + heads[:, None] * stride_xh + i[None, :]
+def normed_rope_halves(src, weight_ptr, cos_ptr, sin_ptr, token, stride_ct, i, mask, col_mask, half, eps,
+                       HAS_NORM: tl.constexpr, DTYPE: tl.constexpr):
+    """The two rotated halves [HEADS, BLOCK] of the heads at `src` (pointers to their first halves):
+    per-head RMSNorm when HAS_NORM (rounded like the reference), then the NeoX rotation, fp32 values
+    of DTYPE-rounded results. Shared by `norm_rope` and `kernels.qkv_epilogue`."""
     x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(src + half, mask=mask, other=0.0).to(tl.float32)
     if HAS_NORM:
@@ -68,9 +63,27 @@ def _norm_rope_kernel(x_ptr, weight_ptr, cos_ptr, sin_ptr, out_ptr, num_heads, h
         x2 = (w2 * (x2 * inv[:, None]).to(DTYPE).to(tl.float32)).to(DTYPE).to(tl.float32)
     c = tl.load(cos_ptr + token * stride_ct + i, mask=col_mask, other=0.0)[None, :]
     s = tl.load(sin_ptr + token * stride_ct + i, mask=col_mask, other=0.0)[None, :]
+    y1 = (x1 * c - x2 * s).to(DTYPE).to(tl.float32)
+    y2 = (x2 * c + x1 * s).to(DTYPE).to(tl.float32)
+    return y1, y2
+
+
+@triton.jit
+def _norm_rope_kernel(x_ptr, weight_ptr, cos_ptr, sin_ptr, out_ptr, num_heads, half, stride_xt, stride_xh,
+                      stride_ct, stride_ot, stride_oh, eps, HAS_NORM: tl.constexpr, HEADS: tl.constexpr,
+                      BLOCK: tl.constexpr, DTYPE: tl.constexpr):
+    # HEADS heads of one token: [per-head RMSNorm, rounded like the reference], then the NeoX rotation
+    token = tl.program_id(0)
+    heads = tl.program_id(1) * HEADS + tl.arange(0, HEADS)
+    i = tl.arange(0, BLOCK)
+    col_mask = i < half
+    mask = (heads < num_heads)[:, None] & col_mask[None, :]
+    src = x_ptr + token * stride_xt + heads[:, None] * stride_xh + i[None, :]
+    y1, y2 = normed_rope_halves(src, weight_ptr, cos_ptr, sin_ptr, token, stride_ct, i, mask, col_mask, half,
+                                eps, HAS_NORM, DTYPE)
     dst = out_ptr + token * stride_ot + heads[:, None] * stride_oh + i[None, :]
-    tl.store(dst, (x1 * c - x2 * s).to(DTYPE), mask=mask)
-    tl.store(dst + half, (x2 * c + x1 * s).to(DTYPE), mask=mask)
+    tl.store(dst, y1.to(DTYPE), mask=mask)
+    tl.store(dst + half, y2.to(DTYPE), mask=mask)
 
 
 @triton.jit
@@ -87,7 +100,7 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, inter, stride_x, stride_o, BLOCK: tl.co
 
 def _rows(x: torch.Tensor, name: str) -> torch.Tensor:
     """x as 2-d rows with a unit last stride (a view when it can be)."""
-    if x.dtype not in _TL_DTYPES:
+    if x.dtype not in TL_DTYPES:
         raise ValueError(f"{name} must be fp32 / fp16 / bf16, got {x.dtype}")
     rows = x.reshape(-1, x.shape[-1])
     return rows if rows.stride(-1) == 1 else rows.contiguous()
@@ -123,7 +136,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, residual: tor
     n = rows.shape[1]
     _rms_norm_kernel[(rows.shape[0],)](
         rows, res, weight, out, total, n, rows.stride(0), res.stride(0), out.stride(0), total.stride(0), eps,
-        HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(n), DTYPE=_TL_DTYPES[x.dtype])
+        HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(n), DTYPE=TL_DTYPES[x.dtype])
     out = out.view(x.shape)
     return out if residual is None else (out, total.view(x.shape))
 
@@ -158,7 +171,7 @@ def norm_rope(x: torch.Tensor, weight: torch.Tensor | None, cos: torch.Tensor, s
     _norm_rope_kernel[(tokens, triton.cdiv(heads, heads_per_program))](
         x, weight if weight is not None else x, cos, sin, out, heads, half, x.stride(0), x.stride(1),
         cos.stride(0), out.stride(0), out.stride(1), eps, HAS_NORM=weight is not None,
-        HEADS=heads_per_program, BLOCK=triton.next_power_of_2(half), DTYPE=_TL_DTYPES[x.dtype])
+        HEADS=heads_per_program, BLOCK=triton.next_power_of_2(half), DTYPE=TL_DTYPES[x.dtype])
     return out
 
 
@@ -174,5 +187,5 @@ def silu_and_mul(x: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
     out = torch.empty((rows.shape[0], inter), dtype=x.dtype, device=x.device)
     block = min(SILU_BLOCK, triton.next_power_of_2(inter))
     _silu_and_mul_kernel[(rows.shape[0], triton.cdiv(inter, block))](
-        rows, out, inter, rows.stride(0), out.stride(0), BLOCK=block, DTYPE=_TL_DTYPES[x.dtype])
+        rows, out, inter, rows.stride(0), out.stride(0), BLOCK=block, DTYPE=TL_DTYPES[x.dtype])
     return out.view(*x.shape[:-1], inter)

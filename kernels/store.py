@@ -106,7 +106,7 @@ def _launch_store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale) -> 
     )
 
 
-def _check_store_inputs(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale) -> None:
+def check_store_inputs(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale) -> None:
     check_rank(k, 3, "k", "[N, NKV, D]")
     check_rank(v, 3, "v", "[N, NKV, D]")
     _, num_kv_heads, head_dim = check_cache_pair(k_cache, v_cache)
@@ -140,7 +140,7 @@ def store_kv(k, v, k_cache, v_cache, slot_mapping, *, k_scale=None, v_scale=None
     backend : "auto" | "triton" | "torch"
         See `kernels.dispatch`.
     """
-    _check_store_inputs(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    check_store_inputs(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     if resolve_backend(backend, k.device) == "torch":
         reference.store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale)
         return

@@ -22,9 +22,10 @@ from torch import nn
 from foundation.checkpoint_config import TargetConfig
 from foundation.layer_cache import LayerCache, as_layer_caches
 from foundation.weights import WeightSlot, empty_param, token_tables_layout
-from kernels import paged_attention, store_kv
-from kernels.fused_layers import norm_rope, rms_norm, silu_and_mul
+from kernels import paged_attention
+from kernels.fused_layers import rms_norm, silu_and_mul
 from kernels.layers import RotaryEmbedding
+from kernels.qkv_epilogue import norm_rope_store
 from target_service.runner.forward_batch import ForwardBatch
 
 QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM",)
@@ -63,29 +64,39 @@ class TargetLayer(nn.Module):
         self.gate_up_proj = empty_param([2 * config.intermediate_size, hidden], dtype, device)
         self.down_proj = empty_param([hidden, config.intermediate_size], dtype, device)
 
-    def forward(self, h, cos, sin, batch: ForwardBatch, cache: LayerCache) -> torch.Tensor:
-        """h [T, H] residual stream -> [T, H]; stores this step's K/V first (seq_lens count it)."""
+    def forward(self, h, delta, cos, sin, batch: ForwardBatch, cache: LayerCache):
+        """One layer over the residual stream h + delta [T, H] (delta None: h alone).
+
+        The previous layer's last add is deferred into this layer's input norm (one kernel for both),
+        as this layer's own last add is left to the next: returns (h + delta, the stream entering
+        this layer, i.e. the previous layer's output; h', the stream before this layer's MLP
+        output; delta', that output). This step's K/V are stored before attention reads them.
+        """
         tokens = h.shape[0]
-        x = rms_norm(h, self.input_layernorm, self.eps)  # one fused kernel on a GPU (kernels.fused_layers)
+        if delta is None:
+            x = rms_norm(h, self.input_layernorm, self.eps)  # one fused kernel on a GPU (fused_layers)
+        else:
+            x, h = rms_norm(delta, self.input_layernorm, self.eps, residual=h)
+        entering = h
         q, k, v = F.linear(x, self.qkv_proj, self.qkv_bias).split(
             [self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
              self.num_kv_heads * self.head_dim], dim=-1,
         )
-        q = q.reshape(tokens, self.num_heads, self.head_dim)
-        k = k.reshape(tokens, self.num_kv_heads, self.head_dim)
-        v = v.reshape(tokens, self.num_kv_heads, self.head_dim)
-        # Qwen3: per-head RMSNorm before RoPE (q_norm / k_norm); Llama: RoPE alone
-        q = norm_rope(q, self.q_norm, cos, sin, self.eps)
-        k = norm_rope(k, self.k_norm, cos, sin, self.eps)
-        store_kv(k, v, cache.k_cache, cache.v_cache, batch.slot_mapping,
-                 k_scale=cache.k_scale, v_scale=cache.v_scale)
+        # Qwen3: per-head RMSNorm before RoPE (q_norm / k_norm); Llama: RoPE alone. One launch with the
+        # K/V store (kernels.qkv_epilogue).
+        q = norm_rope_store(
+            q.reshape(tokens, self.num_heads, self.head_dim),
+            k.reshape(tokens, self.num_kv_heads, self.head_dim),
+            v.reshape(tokens, self.num_kv_heads, self.head_dim), self.q_norm, self.k_norm, cos, sin, self.eps,
+            cache.k_cache, cache.v_cache, batch.slot_mapping, k_scale=cache.k_scale, v_scale=cache.v_scale,
+        )
         attn = paged_attention(
             q, cache.k_cache, cache.v_cache, batch.block_table, batch.seq_lens, batch.query_start_loc,
             scale=self.head_dim**-0.5, k_scale=cache.k_scale, v_scale=cache.v_scale,
         )
         attn_out = F.linear(attn.reshape(tokens, -1), self.o_proj, self.o_bias)
         mlp_in, h = rms_norm(attn_out, self.post_attention_layernorm, self.eps, residual=h)
-        return h + F.linear(silu_and_mul(F.linear(mlp_in, self.gate_up_proj)), self.down_proj)
+        return entering, h, F.linear(silu_and_mul(F.linear(mlp_in, self.gate_up_proj)), self.down_proj)
 
 
 def target_weight_layout(config: TargetConfig) -> dict[str, WeightSlot]:
@@ -161,15 +172,19 @@ class TargetModel(nn.Module):
         caches = as_layer_caches(kv_caches, config.num_hidden_layers, config.num_key_value_heads,
                                  config.head_dim)
         cos, sin = self.rotary.cos_sin(batch.positions)
-        h = F.embedding(batch.input_ids, self.embed_tokens)
-        last = config.num_hidden_layers - 1
+        h, delta = F.embedding(batch.input_ids, self.embed_tokens), None
         tapped: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, batch, caches[i])
-            if i in self.tap_layer_ids:
-                rows = h[batch.tap_indices]
-                tapped[i] = rms_norm(rows, self.norm, config.rms_norm_eps) if i == last else rows
-        out = rms_norm(h[batch.logits_indices], self.norm, config.rms_norm_eps)
+            entering, h, delta = layer(h, delta, cos, sin, batch, caches[i])
+            if i - 1 in self.tap_layer_ids:  # layer i - 1's output: the stream entering layer i
+                tapped[i - 1] = entering[batch.tap_indices]
+        # The last layer's output, h + delta, is summed by the final norm, on the rows that need it.
+        last = config.num_hidden_layers - 1
+        if last in self.tap_layer_ids:  # final-normed, as HF's last hidden state
+            tap_rows = batch.tap_indices
+            tapped[last], _ = rms_norm(delta[tap_rows], self.norm, config.rms_norm_eps, residual=h[tap_rows])
+        rows = batch.logits_indices
+        out, _ = rms_norm(delta[rows], self.norm, config.rms_norm_eps, residual=h[rows])
         logits = F.linear(out, self.lm_head)
         taps = [tapped[i] for i in self.tap_layer_ids]
         taps = torch.cat(taps, dim=-1) if taps else h.new_empty(batch.tap_indices.shape[0], 0)
