@@ -23,7 +23,9 @@ if [ "${TESTS:-1}" != 0 ]; then
     python3 -m pytest -q -p no:cacheprovider tests/unit/foundation/test_host_transfer.py tests/unit/target_service/test_verify.py \
         tests/engine/test_engine_gpu.py tests/unit/target_service/test_cuda_graph_padding.py \
         tests/engine/test_context_rows.py tests/engine/test_kv_cache_dtype.py \
-        tests/unit/kernels/test_fused_layers.py tests/unit/kernels/test_qkv_epilogue.py > "$OUT/gpu_tests_step.txt" 2>&1
+        tests/unit/kernels/test_fused_layers.py tests/unit/kernels/test_qkv_epilogue.py \
+        tests/unit/target_service/test_target_model.py tests/unit/drafter_service/test_drafter_model.py \
+        > "$OUT/gpu_tests_step.txt" 2>&1
     tail -n 3 "$OUT/gpu_tests_step.txt"
 fi
 timeout "${LIMIT:-420}" python3 -m dflash_cli.bench.step --steps 8 --batch-sizes 1 32 --contexts 2048 8192 \

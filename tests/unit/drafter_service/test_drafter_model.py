@@ -5,6 +5,7 @@ propose. The oracle takes HF transformers' hidden states of the same target, con
 context K/V with the noise block's and runs non-causal SDPA, straight from the checkpoint tensors.
 """
 
+import copy
 import os
 import random
 
@@ -76,8 +77,9 @@ def dense_draft_logits(w, cfg, taps, ctx_positions, bonus, start, num_draft):
 # ---- the serving path ---------------------------------------------------------------------------
 
 
-def arena_views(num_blocks, layers, kv_heads, head_dim, dtype=torch.float32):
-    arena = torch.zeros(num_blocks, layers, 2, TOKENS_PER_BLOCK, kv_heads, head_dim, dtype=dtype)
+def arena_views(num_blocks, layers, kv_heads, head_dim, dtype=torch.float32, device="cpu"):
+    shape = (num_blocks, layers, 2, TOKENS_PER_BLOCK, kv_heads, head_dim)
+    arena = torch.zeros(shape, dtype=dtype, device=device)
     return arena, [(arena[:, i, 0], arena[:, i, 1]) for i in range(layers)]
 
 
@@ -106,13 +108,17 @@ def setup(tmp_path_factory):
     return dict(target=target, drafter=drafter, weights=weights, cfg=cfg, streams=streams, hidden=hidden)
 
 
-def run_serving_path(setup):
-    """Per step: target over the newly committed tokens -> project_context -> propose. Returns logits."""
+def run_serving_path(setup, device="cpu"):
+    """Per step: target over the newly committed tokens -> project_context -> propose. Returns logits
+    (on the CPU). On CUDA, copies of the models run every kernel of the serving path."""
     target, drafter, streams = setup["target"], setup["drafter"], setup["streams"]
+    if device != "cpu":
+        target, drafter = copy.deepcopy(target).to(device), copy.deepcopy(drafter).to(device)
     tcfg, dcfg = target.config, drafter.config
-    _, target_caches = arena_views(12, tcfg.num_hidden_layers, tcfg.num_key_value_heads, tcfg.head_dim)
+    _, target_caches = arena_views(12, tcfg.num_hidden_layers, tcfg.num_key_value_heads, tcfg.head_dim,
+                                   device=device)
     draft_arena, draft_caches = arena_views(12, dcfg.num_hidden_layers, dcfg.num_key_value_heads,
-                                            dcfg.head_dim)
+                                            dcfg.head_dim, device=device)
     block_ids = list(range(12))
     random.Random(6).shuffle(block_ids)
     tables = [block_ids[:6], block_ids[6:]]  # one block table per sequence, shared by both groups
@@ -120,19 +126,19 @@ def run_serving_path(setup):
     for lengths, num_draft in zip(CONTEXT_LENGTHS, DRAFTS_PER_STEP):
         chunks = [SeqChunk(s[done[i] : lengths[i]], done[i], tables[i], num_logits=0,
                            num_taps=lengths[i] - done[i]) for i, s in enumerate(streams)]
-        batch = pack(chunks, TOKENS_PER_BLOCK)
+        batch = pack(chunks, TOKENS_PER_BLOCK, device=device)
         taps = target(batch, target_caches).taps
         drafter.project_context(taps, batch.positions, batch.slot_mapping, draft_caches)
         before = draft_arena.clone()
         draft = drafter.propose(
-            DraftBatch(bonus_tokens=torch.tensor([s[n] for s, n in zip(streams, lengths)]),
-                       start_positions=torch.tensor(lengths), block_table=batch.block_table,
-                       ctx_lens=torch.tensor(lengths, dtype=torch.int32)),
+            DraftBatch(bonus_tokens=torch.tensor([s[n] for s, n in zip(streams, lengths)], device=device),
+                       start_positions=torch.tensor(lengths, device=device), block_table=batch.block_table,
+                       ctx_lens=torch.tensor(lengths, dtype=torch.int32, device=device)),
             draft_caches, target.embed_weight, target.lm_head_weight, num_draft, return_logits=True,
         )
         assert torch.equal(draft_arena, before), "propose must never store the noise block's K/V"
         assert draft.tokens.shape == (2, num_draft) and torch.equal(draft.tokens, draft.logits.argmax(-1))
-        logits.append(draft.logits)
+        logits.append(draft.logits.cpu())
         done = list(lengths)
     return logits
 
@@ -172,6 +178,16 @@ def test_the_comparison_catches_a_wrong_tap_or_an_off_by_one_context_position(se
                                                                               position_shift):
     assert max_error(served, run_reference(setup)) < 1e-4
     assert max_error(served, run_reference(setup, tap_shift, position_shift)) > 1e-2
+
+
+@pytest.mark.gpu
+def test_the_kernels_on_cuda_stay_far_closer_to_dense_dflash_than_a_wrong_tap_or_position(setup, served):
+    """The serving path's kernels (fused q/k/v epilogues, deferred adds, paged attention over both groups):
+    fp32 with TF32 dots in the target's attention, so a tolerance, set by the bugs it must tell apart."""
+    reference = run_reference(setup)
+    shifts = [(-1, 0), (1, 0), (0, 1), (0, -1)]  # a tap one layer off, a context position one off
+    wrong = min(max_error(served, run_reference(setup, *shift)) for shift in shifts)
+    assert max_error(run_serving_path(setup, "cuda"), reference) < wrong / 10
 
 
 def test_context_keys_are_normed_and_rotated_at_their_own_positions(setup):
