@@ -29,14 +29,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from target_service.engine.acceptance_curve import AcceptanceCurve
-from target_service.proposers.step_clock import StepClock, batch_bucket
+from target_service.proposers.step_clock import SETTLED_INTERVALS, StepClock, batch_bucket, step_seconds
 
 SERVER_HALF_LIFE = 2048.0  # verifies (rows x steps) over which the server's curve forgets half
 REQUEST_HALF_LIFE = 64.0  # ... one request's
 REQUEST_PRIOR_WEIGHT = 8.0  # trials of the server's curve that a request's own counts start from
 EXPLORE_EVERY = 64
-SETTLED_INTERVALS = 3  # intervals of a k before its own time may rule it out
-STEP_QUANTILE = 0.25  # of a k's intervals: its time (low, as slow outliers are upward only)
 
 
 def default_choices(num_speculative_tokens: int) -> tuple[int, ...]:
@@ -98,15 +96,6 @@ def least_seconds(k: int, others: dict[int, float]) -> float | None:
     rows (k + 1) / (k' + 1) (a step's time grows at most in proportion to the rows it verifies)."""
     bounds = [t if other < k else t * (k + 1) / (other + 1) for other, t in others.items()]
     return max(bounds, default=None)
-
-
-def step_seconds(intervals: Sequence[float]) -> float | None:
-    """A k's time from its intervals: the order statistic of rank round(q (n + 1)), whose expected
-    quantile is q whatever n, so k's with few and many intervals compare alike; None without any."""
-    if not intervals:
-        return None
-    rank = min(len(intervals), max(1, round(STEP_QUANTILE * (len(intervals) + 1))))
-    return sorted(intervals)[rank - 1]
 
 
 class AdaptiveSpeculation:

@@ -5,7 +5,8 @@ copies (its prompt, or itself). Each step, before anything is drafted, `choose_s
 expected tokens per second of a step with the DFlash drafter (each row verifying the better of its
 two proposals) against one without it (every row on the lookup), from what each proposer is
 expected to get accepted (below) and what such steps have cost on this machine (`StepClock`: the
-engine hands each decode step's time to `step_took`, filed under whether that step ran the drafter).
+engine hands each decode step's time to `step_took`, filed under whether that step ran the drafter;
+`hybrid_choice.weighed_times` and `explore` keep one disturbed interval from deciding for good).
 A step without the drafter skips it: that is where the lookup's speed comes from.
 
 The draft context stays whole whichever proposer drafted: every accepted position's context is
@@ -44,9 +45,16 @@ from drafter_service.control import DraftControl, DrafterUnavailable
 from drafter_service.step_buffers import StepBuffers
 from foundation.host_transfer import to_device
 from target_service.proposers.deferred_context import DeferredContext
-from target_service.proposers.hybrid_choice import RowOutlook, choose_step
+from target_service.proposers.hybrid_choice import (
+    EXPLORE_EVERY,
+    RowOutlook,
+    StepChoice,
+    choose_step,
+    explore,
+    weighed_times,
+)
 from target_service.proposers.ngram import NgramLookups
-from target_service.proposers.step_clock import StepClock
+from target_service.proposers.step_clock import StepClock, batch_bucket
 from target_service.proposers.token_proposer import DFLASH, NGRAM, TokenProposer
 
 logger = logging.getLogger(__name__)
@@ -114,6 +122,7 @@ class HybridProposer(TokenProposer):
         self._lookup_only_rows: int | None = None  # the rows of this step's store, if it may be deferred
         self._drafted: dict[int, _Drafted] = {}
         self._scores: dict[int, _Scores] = {}
+        self._steps_at_bucket: dict[int, int] = {}
 
     def store_context(self, num_rows: int) -> None:
         """Defer a lookup-only step's rows: exactly its drafting rows' blocks (a step that also
@@ -163,8 +172,7 @@ class HybridProposer(TokenProposer):
         self._scores = {seq_id: score for seq_id, score in self._scores.items() if seq_id in live}
         matches = self.lookups.propose(seqs, num_draft)
         outlooks = [self._outlook(seq, match, num_draft) for seq, match in zip(seqs, matches)]
-        times = self.clock.estimate(num_seqs, True), self.clock.estimate(num_seqs, False)
-        choice = choose_step(outlooks, *times)
+        choice = self._choose(outlooks)
         self._ran_drafter = choice.run_drafter
         self._lookup_only_rows = None if choice.run_drafter else num_seqs * (num_draft + 1)
         if choice.run_drafter:
@@ -176,6 +184,18 @@ class HybridProposer(TokenProposer):
             self._drafted[seq.seq_id] = _Drafted(source, seq.num_computed + 1, match.tokens)
         if lookup_rows:
             self._write(sorted(lookup_rows), [matches[row].tokens for row in sorted(lookup_rows)], num_draft)
+
+    def _choose(self, outlooks: list[RowOutlook]) -> StepChoice:
+        """`choose_step` over the clock's weighed times; every EXPLORE_EVERY-th step at a batch size,
+        the kind measured longer ago instead."""
+        num_seqs = len(outlooks)
+        bucket = batch_bucket(num_seqs)
+        count = self._steps_at_bucket[bucket] = self._steps_at_bucket.get(bucket, 0) + 1
+        if count % EXPLORE_EVERY == 0:
+            stale = min((True, False), key=lambda kind: self.clock.last_recorded(num_seqs, kind))
+            return explore(outlooks, stale)
+        intervals = self.clock.intervals(num_seqs, True), self.clock.intervals(num_seqs, False)
+        return choose_step(outlooks, *weighed_times(*intervals))
 
     def step_took(self, num_seqs: int, seconds: float) -> None:
         """The step of the last propose took `seconds`: filed under whether it ran the drafter."""

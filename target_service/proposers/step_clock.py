@@ -5,9 +5,11 @@ what a step costs with the DFlash drafter and without it (where the drafter cost
 verify, a lookup that accepts a little less still emits more per second); adaptive speculation asks
 what it costs to verify k drafts per row. What a step costs depends on the machine, the batch and
 the context, so it is measured rather than modelled: an interval is filed under its kind (whether
-the drafter ran; the k verified) and the batch's size rounded up to a power of two. The estimate is
-the median of the latest `WINDOW` intervals, so one disturbed step (other work on the host, a
-garbage collection) moves it little.
+the drafter ran; the k verified) and the batch's size rounded up to a power of two. `estimate` is
+the median of the latest `WINDOW` intervals; the choices weigh `step_seconds`, a low quantile of
+them, and only once a kind has `SETTLED_INTERVALS` of them may its own time rule it out: one
+disturbed step (other work on the host, a garbage collection, a first graph replay) moves either
+little.
 
 Intervals are measured by the engine, from one step's read to the next's, and only for steps that
 decoded and followed the one before without an idle gap (`record`): an interval that spans the time
@@ -20,9 +22,21 @@ from __future__ import annotations
 
 import statistics
 from collections import deque
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 
 WINDOW = 15  # intervals kept per (kind, batch size)
+SETTLED_INTERVALS = 3  # intervals of a kind before its own time may rule it out
+STEP_QUANTILE = 0.25  # of a kind's intervals: its time (low, as slow outliers are upward only)
+
+
+def step_seconds(intervals: Sequence[float]) -> float | None:
+    """A kind's time from its intervals: the order statistic of rank round(q (n + 1)), whose expected
+    quantile is q whatever n, so kinds with few and many intervals compare alike; None without any.
+    A slow interval (warm-up, a first graph replay, a GC pause) is an outlier upward only."""
+    if not intervals:
+        return None
+    rank = min(len(intervals), max(1, round(STEP_QUANTILE * (len(intervals) + 1))))
+    return sorted(intervals)[rank - 1]
 
 
 def batch_bucket(num_seqs: int) -> int:

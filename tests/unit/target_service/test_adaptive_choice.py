@@ -12,18 +12,16 @@ from fake_pool import FakePool
 
 from target_service.engine.acceptance_curve import AcceptanceCurve, expected_from_rates
 from target_service.engine.adaptive_speculation import (
-    SETTLED_INTERVALS,
     AdaptiveSpeculation,
     RowOutlook,
     best_k,
     default_choices,
-    step_seconds,
 )
 from target_service.engine.draft_budget import DraftBudget
 from target_service.engine.sampling_params import SamplingParams
 from target_service.engine.scheduler import Scheduler
 from target_service.engine.sequence import Sequence
-from target_service.proposers.step_clock import StepClock
+from target_service.proposers.step_clock import SETTLED_INTERVALS, StepClock, step_seconds
 
 GREEDY = SamplingParams(max_tokens=100, temperature=0, ignore_eos=True)
 

@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from target_service.proposers.hybrid_choice import RowOutlook, StepChoice, choose_step
-from target_service.proposers.step_clock import WINDOW, StepClock, batch_bucket
+from target_service.proposers.hybrid_choice import RowOutlook, StepChoice, choose_step, explore, weighed_times
+from target_service.proposers.step_clock import SETTLED_INTERVALS, WINDOW, StepClock, batch_bucket
 
 
 def test_each_row_takes_the_better_proposal_when_the_drafter_runs():
@@ -34,12 +34,42 @@ def test_random_steps_pick_the_larger_rate():
         with_rate = sum(1 + max(r.dflash, r.lookup or 0) for r in rows) / time_with
         without_rate = sum(1 + (r.lookup or 0) for r in rows) / time_without
         choice = choose_step(rows, time_with, time_without)
-        assert choice.run_drafter == (with_rate >= without_rate)
+        every_row_on_the_lookup = all(r.lookup is not None and r.lookup > r.dflash for r in rows)
+        assert choice.run_drafter == (with_rate >= without_rate and not every_row_on_the_lookup)
         if choice.run_drafter:
             better = [i for i, r in enumerate(rows) if r.lookup is not None and r.lookup > r.dflash]
             assert choice.lookup_rows == tuple(better)
         else:
             assert choice.lookup_rows == tuple(range(len(rows)))
+
+
+def test_a_step_whose_every_row_takes_the_lookup_skips_the_drafter_whatever_the_times():
+    rows = [RowOutlook(11.0, 15.0), RowOutlook(2.0, 2.5)]
+    # the times say the drafter's step is faster (a disturbed lookup-only measurement), but its block
+    # would go unread: both rows verify the lookup's continuation
+    assert choose_step(rows, 0.055, 0.123) == StepChoice(False, (0, 1))
+    assert choose_step([*rows, RowOutlook(3.0, 3.0)], 0.055, 0.123) == StepChoice(True, (0, 1))
+
+
+def test_weighed_times_by_hand():
+    # settled kinds: each one's low quantile (rank round(0.25 (n + 1))), the lookup-only one capped
+    assert weighed_times([5.0, 1.0, 3.0, 9.0], [2.0, 8.0, 4.0]) == (1.0, 1.0)
+    assert weighed_times([6.0, 5.0, 7.0], [2.0, 8.0, 4.0]) == (5.0, 2.0)
+    # the 123 ms lookup-only interval of the lock-in, alone: not settled, so measured again
+    assert weighed_times([0.055] * 5, [0.123]) == (0.055, None)
+    # ... and once settled, never weighed above the drafter's step
+    assert weighed_times([0.055] * 5, [0.123, 0.034, 0.035]) == (0.055, 0.034)
+    assert weighed_times([0.055] * 5, [0.123, 0.123, 0.123]) == (0.055, 0.055)
+    # an unsettled drafter's step is weighed at no more than the lookup-only one
+    assert weighed_times([0.090], [0.030, 0.031, 0.032]) == (0.030, 0.030)
+    assert weighed_times([0.020], [0.030, 0.031, 0.032]) == (0.020, 0.020)
+    assert weighed_times([], [0.030] * SETTLED_INTERVALS) == (None, 0.030)
+
+
+def test_exploring_takes_the_kind_asked_for_with_the_rows_it_would_have():
+    rows = [RowOutlook(3.0, 5.0), RowOutlook(4.0, None)]
+    assert explore(rows, True) == StepChoice(True, (0,))
+    assert explore(rows, False) == StepChoice(False, (0, 1))
 
 
 def test_an_unknown_time_is_measured_the_lookup_only_one_first_where_some_row_matches():
@@ -76,3 +106,22 @@ def test_the_clock_keeps_a_window_so_one_disturbed_step_moves_it_little():
                          [(0, 1), (1, 1), (2, 2), (3, 4), (4, 4), (5, 8), (32, 32), (33, 64)])
 def test_batch_buckets_are_powers_of_two(num_seqs, bucket):
     assert batch_bucket(num_seqs) == bucket
+
+
+def test_every_explore_every_th_step_at_a_batch_size_measures_the_stale_kind_again():
+    from types import SimpleNamespace
+
+    from target_service.proposers.hybrid import HybridProposer
+    from target_service.proposers.hybrid_choice import EXPLORE_EVERY
+
+    clock = StepClock()
+    for _ in range(SETTLED_INTERVALS):
+        clock.record(2, False, 0.030)  # the lookup-only kind: measured first, so the stale one
+    for _ in range(SETTLED_INTERVALS):
+        clock.record(2, True, 0.040)
+    proposer = SimpleNamespace(clock=clock, _steps_at_bucket={})
+    rows = [RowOutlook(6.0, None), RowOutlook(5.0, 1.0)]  # DFlash's rows: the drafter wins on the rates
+    choices = [HybridProposer._choose(proposer, rows) for _ in range(2 * EXPLORE_EVERY)]
+    lookup_only = [i + 1 for i, choice in enumerate(choices) if not choice.run_drafter]
+    assert lookup_only == [EXPLORE_EVERY, 2 * EXPLORE_EVERY]
+    assert HybridProposer._choose(proposer, rows[:1]) == StepChoice(True, ())  # batch 1: its own count
