@@ -9,6 +9,8 @@ committed position is stored exactly once.
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 from engine_helpers import make_pair, random_prompts
@@ -101,3 +103,43 @@ def test_select_context_rows_by_hand():
     assert seq_indices.tolist() == [0, 0, 0, 1, 1, 1, 2, 2]
     skipped = [PAD_SLOT] * 4  # the first decode's rejected draft, and all of the second decode
     assert slots.tolist() == [4 * 16 + 10, 4 * 16 + 11, *skipped, 7 * 16, 7 * 16 + 1]
+
+
+def _random_step(rng: random.Random, device: str, tokens_per_block: int = 16):
+    """A packed step of random decodes (verify blocks of one K) then prefill chunks (some with a
+    replayed head), random context gaps, random accepted drafts; the SeqTaps the runner would build."""
+    num_draft = rng.randint(0, 7)
+    chunks, seqs, blocks = [], [], iter(rng.sample(range(400), 400))
+    for index in range(rng.randint(0, 5)):  # decodes: the bonus and K drafts, every row tapped
+        start = rng.randint(0, 60)
+        table = [next(blocks) for _ in range((start + num_draft + 1) // tokens_per_block + 1)]
+        chunks.append(SeqChunk([1] * (num_draft + 1), start, table, num_draft + 1, num_draft + 1))
+        seqs.append(SeqTaps(num_draft + 1, True, rng.random() < 0.8, index))
+    num_decodes = len(chunks)
+    for index in range(rng.randint(0 if chunks else 1, 4)):  # prefill chunks: every row tapped
+        count, start = rng.randint(1, 40), rng.randint(0, 30)
+        table = [next(blocks) for _ in range((start + count) // tokens_per_block + 1)]
+        chunks.append(SeqChunk([2] * count, start, table, rng.randint(0, 1), count))
+        seqs.append(SeqTaps(count, False, rng.random() < 0.8, num_decodes + index))
+    accepted = None  # a step without drafts
+    if num_draft and num_decodes:
+        accepted = torch.tensor([rng.randint(0, num_draft) for _ in range(num_decodes)], dtype=torch.int64,
+                                device=device)
+    return pack(chunks, tokens_per_block, device), seqs, accepted
+
+
+def test_the_selection_kernel_equals_the_torch_ops_on_random_steps():
+    """`kernels.context_rows` (the GPU's path; Triton's interpreter on a CPU) against the torch ops that
+    select the rows on a CPU, which the test above checks by hand."""
+    from kernels.context_rows import select_context_rows as select_with_kernel
+    from target_service.runner.context_rows import per_seq_table, select_context_rows_torch
+
+    rng, device = random.Random(), "cuda" if torch.cuda.is_available() else "cpu"
+    for _ in range(30):
+        batch, seqs, accepted = _random_step(rng, device)
+        expected = select_context_rows_torch(batch, seqs, accepted)
+        got = select_with_kernel(batch.tap_indices, batch.positions, batch.slot_mapping,
+                                 per_seq_table(seqs, batch.device), accepted)
+        for got_rows, expected_rows in zip(got, expected):
+            assert got_rows.dtype == expected_rows.dtype
+            assert torch.equal(got_rows, expected_rows)
