@@ -14,13 +14,14 @@ the target's bonus token is emitted whichever proposer drafted.
 
 The times weighed (`weighed_times`) are each kind's low quantile (`step_clock.step_seconds`), with
 what is known of steps: a step without the drafter does less of the same work, so it is weighed at
-no more than one with it; and a kind measured fewer than `SETTLED_INTERVALS` times is weighed at the
-least it could cost (the lookup-only step as unknown, so it is measured where a row matches; the
-drafter's at no more than the lookup-only one's). Every `EXPLORE_EVERY` steps at a batch size the
-kind measured longer ago is taken once (`explore`), so a stale time is corrected. Without these, one
-disturbed first lookup-only interval (123 ms against 55 ms steps with the drafter, on the demo pair
-on a CPU) kept the drafter running for good, even in steps where every row verified the lookup's
-proposal.
+no more than one with it; and until the lookup-only step has `SETTLED_INTERVALS` intervals it counts
+as unknown, so it is measured where a row matches. (The drafter's step needs no such care: any row
+without a usable match takes it, which measures it again; weighing an unsettled one as cheap cost a
+cold engine drafter steps on prompts the lookup copies whole.) Every `EXPLORE_EVERY` steps at a batch
+size the kind measured longer ago is taken once (`explore`), so a stale time is corrected. Without
+these, one disturbed first lookup-only interval (123 ms against 55 ms steps with the drafter, on the
+demo pair on a CPU) kept the drafter running for good, even in steps where every row verified the
+lookup's proposal.
 
 Before both times are known there is nothing to weigh, so the unknown one is measured: a step skips
 the drafter while the lookup-only time of its batch size is unknown and some row has a usable
@@ -59,8 +60,6 @@ def weighed_times(with_drafter: Sequence[float], without: Sequence[float]
     if len(without) < SETTLED_INTERVALS:
         time_without = None
     if time_with is not None and time_without is not None:
-        if len(with_drafter) < SETTLED_INTERVALS:
-            time_with = min(time_with, time_without)
         time_without = min(time_without, time_with)
     return time_with, time_without
 

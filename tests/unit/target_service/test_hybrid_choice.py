@@ -60,8 +60,8 @@ def test_weighed_times_by_hand():
     # ... and once settled, never weighed above the drafter's step
     assert weighed_times([0.055] * 5, [0.123, 0.034, 0.035]) == (0.055, 0.034)
     assert weighed_times([0.055] * 5, [0.123, 0.123, 0.123]) == (0.055, 0.055)
-    # an unsettled drafter's step is weighed at no more than the lookup-only one
-    assert weighed_times([0.090], [0.030, 0.031, 0.032]) == (0.030, 0.030)
+    # the drafter's step, settled or not, at its own low quantile; the lookup-only one capped by it
+    assert weighed_times([0.090], [0.030, 0.031, 0.032]) == (0.090, 0.030)
     assert weighed_times([0.020], [0.030, 0.031, 0.032]) == (0.020, 0.020)
     assert weighed_times([], [0.030] * SETTLED_INTERVALS) == (None, 0.030)
 
