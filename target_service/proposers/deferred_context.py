@@ -6,9 +6,10 @@ for several steps at once, reads the drafter's context weights once instead of o
 CPU the store of a lookup-only step cost about 12% of it (the demo pair, one sequence), and the
 demo drafter stores 16 rows in 1.4 ms but 100 in 3.0 ms (2 threads), not 9.
 
-The rows are copied out of the step buffers' context side (taps, positions, sequence indices and
-pool slots, exactly what the runner staged) into buffers of this object's own, and staged back
-into the step buffers when they are stored. Only the owner decides when (`HybridProposer`): before
+The rows (taps, positions, sequence indices and pool slots, exactly what the runner selected) are
+copied into buffers of this object's own straight from the step's selection, without a trip
+through the step buffers (whose writes would first wait for the drafter), and staged into the step
+buffers when they are stored. Only the owner decides when (`HybridProposer`): before
 the drafter reads the context, before a sequence's pages are released (after that its slots may be
 another sequence's), and when the next step's rows would not fit. `owners` are the sequences whose
 rows are held, so a store that the drafter misses can mark their context as having a gap.
@@ -37,15 +38,18 @@ class DeferredContext:
     def has_room(self, num_rows: int) -> bool:
         return self.count + num_rows <= self.capacity
 
-    def take(self, buffers: StepBuffers, num_rows: int, owners: list[Sequence]) -> None:
-        """Hold the first num_rows rows of the step buffers' context side (queued device copies)."""
+    def hold(self, taps: torch.Tensor, positions: torch.Tensor, seq_indices: torch.Tensor,
+             slots: torch.Tensor, owners: list[Sequence]) -> None:
+        """Hold context rows (taps [N, tap_width]; N positions, sequence indices and slots): queued
+        device copies, straight from the step's own selection."""
+        num_rows = taps.shape[0]
         if not self.has_room(num_rows):
             raise ValueError(f"{num_rows} more rows do not fit: {self.count} of {self.capacity} are held")
         rows = slice(self.count, self.count + num_rows)
-        self.taps[rows].copy_(buffers.taps[:num_rows])
-        self.positions[rows].copy_(buffers.context_positions[:num_rows])
-        self.seq_indices[rows].copy_(buffers.context_seq_indices[:num_rows])
-        self.slots[rows].copy_(buffers.context_slots[:num_rows])
+        self.taps[rows].copy_(taps)
+        self.positions[rows].copy_(positions)
+        self.seq_indices[rows].copy_(seq_indices)
+        self.slots[rows].copy_(slots)
         self.count += num_rows
         self.owners.update((seq.seq_id, seq) for seq in owners)
 

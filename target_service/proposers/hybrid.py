@@ -124,14 +124,19 @@ class HybridProposer(TokenProposer):
         self._scores: dict[int, _Scores] = {}
         self._steps_at_bucket: dict[int, int] = {}
 
-    def store_context(self, num_rows: int) -> None:
-        """Defer a lookup-only step's rows: exactly its drafting rows' blocks (a step that also
-        prefilled, or whose rows did not all draft, stores at once). Otherwise store them, and
-        everything held, now."""
+    def defers_context(self, num_rows: int) -> bool:
+        """A lookup-only step's rows are held, while they fit: exactly its drafting rows' blocks (a
+        step that also prefilled, or whose rows did not all draft, stores at once)."""
         deferrable, self._lookup_only_rows = self._lookup_only_rows == num_rows, None
-        if deferrable and self.deferred.has_room(num_rows):
-            self.deferred.take(self.step_buffers, num_rows, self.staged)
-            return
+        return deferrable and self.deferred.has_room(num_rows)
+
+    def defer_context(self, taps, positions, seq_indices, slots) -> None:
+        """Held straight from the step's selection: the step buffers are not written (nor waited for)."""
+        self.deferred.hold(taps, positions, seq_indices, slots, self.staged)
+
+    def store_context(self, num_rows: int) -> None:
+        """Store the staged rows, and everything held, now."""
+        self._lookup_only_rows = None
         self.dflash.store_context(num_rows)
         self._store_deferred()
 

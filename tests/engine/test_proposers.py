@@ -213,12 +213,12 @@ def test_deferred_context_is_whole_when_dflash_reads_it_and_when_pages_go_back(t
                                     llm.engine)
         if method == "hybrid":
             proposer.dflash = recorder
-            take = proposer.deferred.take
+            hold = proposer.deferred.hold
 
-            def counting(buffers, num_rows, owners, take=take):
-                held.append(num_rows)
-                take(buffers, num_rows, owners)
-            proposer.deferred.take = counting
+            def counting(taps, positions, seq_indices, slots, owners, hold=hold):
+                held.append(taps.shape[0])
+                hold(taps, positions, seq_indices, slots, owners)
+            proposer.deferred.hold = counting
         else:
             runner.swap_drafter(recorder)
         try:
