@@ -23,9 +23,9 @@ tokens are the accepted drafts plus the target's next token, so:
   the lookup parted from the new tokens; when it matched every new token (DFlash's accepted drafts
   and the target's token after them) and proposed more, the value is only a lower bound, as the
   tokens past DFlash's rejection are unknown. Such a censored value may raise the lookup's score
-  but never lowers it (`observe`): counted as exact, it held the lookup's score at DFlash's
-  acceptance plus one while DFlash drafted, so a sequence that copies stayed on DFlash (on an H100
-  the demo pair's repeats ran at 0.78 of the lookup's tok/s, with the lookup drafting 30% of rows).
+  but never lowers it (`observe`): counted as exact, it would pull the lookup's score down to
+  DFlash's acceptance plus one while DFlash drafts, however long the lookup's matches are. (On the
+  demo pair this alone changed little: bench/results/proposers_h100.md.)
 Each score is a moving average over the sequence's steps (weight `RECENT` on the newest); DFlash's
 stands still while the lookup drafts. A sequence with no score yet borrows the moving average over
 all sequences (weight `RECENT_OVERALL`), and before anything was measured, K (optimism: a proposer
