@@ -11,7 +11,9 @@ heuristics may pick another kernel (split-K or not, tile shape). Each GEMM of on
 back-to-back calls (launch gaps as in the step's graphs) that cycle through copies of the weight
 filling 400 MB (one weight read over and over would come from L2: a 33 MB o projection read at
 3.7 TB/s on an H100, past its HBM's 3.35), and reported as achieved weight bandwidth against a
-device-to-device copy's on the same GPU. The two layouts' outputs are compared as well.
+device-to-device copy's on the same GPU. The two layouts' outputs are compared as well. At
+`--skinny-rows` the Triton candidate `kernels.skinny_gemm` is swept over its `CANDIDATES` launch
+shapes and its fastest reported beside cuBLAS (with its largest difference from F.linear).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import torch.nn.functional as F
 
 from dflash_cli.bench.random_pair import GEOMETRIES
 from foundation.checkpoint_config import TargetConfig, load_target_config
+from kernels.skinny_gemm import CANDIDATES, SkinnyTiles, skinny_gemm
 
 L2_SAFE_BYTES = 400 << 20  # the weights one timing cycles through: several times any Hopper's L2
 
@@ -76,7 +79,20 @@ def _cycling(op, x: torch.Tensor, weights: list[torch.Tensor]):
     return lambda: op(x, weights[next(turn) % len(weights)])
 
 
-def measure(shapes: dict[str, tuple[int, int]], rows: list[int], reps: int, dtype: torch.dtype) -> list[dict]:
+def best_skinny(x: torch.Tensor, weights: list[torch.Tensor], reps: int) -> tuple[float, SkinnyTiles, float]:
+    """(seconds per call, tiles) of the fastest `skinny_gemm` candidate on this shape, and its largest
+    difference from F.linear's output."""
+    timed = []
+    for tiles in CANDIDATES:
+        call = _cycling(lambda x, w, tiles=tiles: skinny_gemm(x, w, tiles), x, weights)
+        timed.append((graph_time(call, reps), tiles))
+    seconds, tiles = min(timed)
+    diff = (skinny_gemm(x, weights[0], tiles).float() - F.linear(x, weights[0]).float()).abs().max().item()
+    return seconds, tiles, diff
+
+
+def measure(shapes: dict[str, tuple[int, int]], rows: list[int], reps: int, dtype: torch.dtype,
+            skinny_rows: list[int], skinny_reps: int) -> list[dict]:
     results = []
     for name, (n, k) in shapes.items():
         # Enough copies of the weight that a pass over them cannot live in L2 (50-60 MB on an H100 / H200):
@@ -94,8 +110,15 @@ def measure(shapes: dict[str, tuple[int, int]], rows: list[int], reps: int, dtyp
                             "linear_us": linear * 1e6, "matmul_t_us": matmul * 1e6,
                             "linear_tbs": nbytes / linear / 1e12, "matmul_t_tbs": nbytes / matmul / 1e12,
                             "max_abs_diff": diff})
+            if m in skinny_rows:
+                skinny, tiles, skinny_diff = best_skinny(x, weights, skinny_reps)
+                results[-1].update(skinny_us=skinny * 1e6, skinny_tbs=nbytes / skinny / 1e12,
+                                   skinny_tiles=tiles._asdict(), skinny_max_abs_diff=skinny_diff)
+            swept = results[-1]
+            skinny_line = (f", skinny {swept['skinny_us']:8.1f} us {tuple(swept['skinny_tiles'].values())}"
+                           if "skinny_us" in swept else "")
             print(f"{name:8s} M {m:4d}: F.linear {linear * 1e6:8.1f} us, x @ Wt {matmul * 1e6:8.1f} us, "
-                  f"max|diff| {diff:.2e}", flush=True)
+                  f"max|diff| {diff:.2e}{skinny_line}", flush=True)
         del weights, weights_t
     return results
 
@@ -103,14 +126,19 @@ def measure(shapes: dict[str, tuple[int, int]], rows: list[int], reps: int, dtyp
 def report(results: list[dict], copy_tbs: float, header: list[str]) -> str:
     lines = [*header, "", f"Copy bandwidth (read + write): {copy_tbs:.2f} TB/s.", "",
              "| GEMM (N x K) | rows | F.linear us (TB/s, % copy) | x @ Wt us (TB/s, % copy) "
-             "| Wt / linear time |",
-             "| --- | --- | --- | --- | --- |"]
+             "| Wt / linear time | skinny_gemm best us (TB/s) [tiles] | skinny / linear time |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
     for r in results:
+        skinny = skinny_ratio = "-"
+        if "skinny_us" in r:
+            tiles = "n {block_n} k {block_k} split {split_k} stages {num_stages}".format(**r["skinny_tiles"])
+            skinny = f"{r['skinny_us']:.1f} ({r['skinny_tbs']:.2f}) [{tiles}]"
+            skinny_ratio = f"{r['skinny_us'] / r['linear_us']:.3f}"
         lines.append(
             f"| {r['gemm']} ({r['n']} x {r['k']}) | {r['rows']} "
             f"| {r['linear_us']:.1f} ({r['linear_tbs']:.2f}, {100 * r['linear_tbs'] / copy_tbs:.0f}%) "
             f"| {r['matmul_t_us']:.1f} ({r['matmul_t_tbs']:.2f}, {100 * r['matmul_t_tbs'] / copy_tbs:.0f}%) "
-            f"| {r['matmul_t_us'] / r['linear_us']:.3f} |")
+            f"| {r['matmul_t_us'] / r['linear_us']:.3f} | {skinny} | {skinny_ratio} |")
     return "\n".join(lines) + "\n"
 
 
@@ -119,6 +147,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--geometry", default="qwen3-8b", choices=sorted(GEOMETRIES))
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 16, 32, 64, 128, 512])
     parser.add_argument("--reps", type=int, default=200)
+    parser.add_argument("--skinny-rows", type=int, nargs="*", default=[1, 16],
+                        help="row counts at which skinny_gemm's candidates are swept (none: no sweep)")
+    parser.add_argument("--skinny-reps", type=int, default=50, help="calls per graph in the sweep")
     parser.add_argument("--out", default="bench/results")
     parser.add_argument("--name", default="small_gemm")
     args = parser.parse_args(argv)
@@ -126,7 +157,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit("bench_small_gemm needs a CUDA device")
     shapes = layer_shapes(load_target_config(GEOMETRIES[args.geometry][0]))
     copy_tbs = copy_bandwidth() / 1e12
-    results = measure(shapes, args.rows, args.reps, torch.bfloat16)
+    results = measure(shapes, args.rows, args.reps, torch.bfloat16, args.skinny_rows, args.skinny_reps)
     git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
     header = [f"# The target's GEMMs at small row counts: F.linear(x, W) against x @ W.t() contiguous "
               f"({args.geometry})",
