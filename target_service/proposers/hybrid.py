@@ -230,7 +230,7 @@ class HybridProposer(TokenProposer):
             length = seq.num_computed + 1
             if drafted is None or length <= drafted.length:
                 continue
-            emitted = seq.token_ids[drafted.length:length]
+            emitted = seq.token_slice(drafted.length, length)
             scores = self._scores.setdefault(seq.seq_id, _Scores())
             lookup, censored = lookup_outcome(drafted.lookup, emitted, drafted.source == NGRAM)
             scores.lookup = observe(scores.lookup, lookup, censored)

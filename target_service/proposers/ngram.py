@@ -28,7 +28,11 @@ class NgramLookups:
             indices[seq.seq_id] = self._indices.get(seq.seq_id) or NgramIndex(
                 min_ngram=self.min_ngram, max_ngram=self.max_ngram)
         self._indices = indices  # a sequence that did not draft this step rebuilds its index later
-        return [indices[seq.seq_id].propose(seq.token_ids[: seq.num_computed + 1], num_draft) for seq in seqs]
+        matches = []
+        for seq in seqs:  # each index is shown only the tokens it has not seen
+            index = indices[seq.seq_id]
+            matches.append(index.propose_next(seq.token_slice(index.length, seq.num_computed + 1), num_draft))
+        return matches
 
 
 class NgramProposer(TokenProposer):

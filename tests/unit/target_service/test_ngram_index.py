@@ -37,7 +37,11 @@ def test_the_index_proposes_what_a_search_from_scratch_proposes(min_ngram, max_n
         length = 1
         while length <= len(tokens):
             num_draft = rng.randint(1, 9)
-            got = index.propose(tokens[:length], num_draft)
+            if rng.random() < 0.5:  # the whole sequence so far, or only what the index has not seen
+                got = index.propose(tokens[:length], num_draft)
+            else:
+                got = index.propose_next(tokens[index.length:length], num_draft)
+            assert index.length == length
             expected, ngram = search_from_scratch(tokens[:length], num_draft, max_ngram, min_ngram)
             assert (got.tokens, got.ngram) == (expected, ngram), (seed, tokens[:length], num_draft)
             length += rng.randint(1, 5)  # a step adds the accepted drafts and a bonus
