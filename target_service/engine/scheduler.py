@@ -232,7 +232,7 @@ class Scheduler:
         requests = []
         for seq in seqs:
             known = seq.num_pool_known_tokens
-            new_ids = seq.token_ids[known: seq.num_computed] if seq.num_computed > known else []
+            new_ids = seq.token_slice(known, seq.num_computed) if seq.num_computed > known else []
             if seq.has_context:
                 seq.num_context = seq.num_computed
             requests.append(CommitRequest(seq.seq_id, seq.num_computed, seq.num_context, new_ids))

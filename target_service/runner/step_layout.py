@@ -48,7 +48,7 @@ def scheduled_layout(plan: SchedulerOutput, verified: list[int], max_accepted: l
     num_prompt = [0] * len(plan.decodes)
     for chunk in plan.prefills:
         seq, end = chunk.seq, chunk.start + chunk.num_tokens
-        tokens = seq.token_ids[chunk.start: end]
+        tokens = seq.token_slice(chunk.start, end)
         wants_logits = int(chunk.is_last and not seq.output_token_ids)
         positions = chunk.prompt_logprob_positions
         if positions and positions.stop != end - wants_logits:  # the logits rows are the chunk's last
