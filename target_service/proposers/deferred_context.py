@@ -1,4 +1,5 @@
-"""DeferredContext: context rows of lookup-only steps, kept on the device to be stored together later.
+"""DeferredContext: context rows of lookup-only and prefill-only steps, kept on the device to be stored
+together later.
 
 A hybrid step that skips the DFlash drafter still has to keep the drafter's context whole (DFlash may
 take over at any step), but nothing reads that context until the drafter next runs. Storing it then,

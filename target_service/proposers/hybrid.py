@@ -10,10 +10,11 @@ engine hands each decode step's time to `step_took`, filed under whether that st
 A step without the drafter skips it: that is where the lookup's speed comes from.
 
 The draft context stays whole whichever proposer drafted: every accepted position's context is
-stored from the verify's taps, so DFlash can take over at any step. A step that skipped the drafter
-defers its store (`DeferredContext`): nothing reads the context until the drafter next runs, so the
-held rows are stored together just before that, before any sequence's pages are released (the
-engine's scheduler calls `before_release`), or when the next step's rows would not fit.
+stored from the verify's taps, so DFlash can take over at any step. A step that skipped the drafter,
+or only prefilled, defers its store (`DeferredContext`): nothing reads the context until the drafter
+next runs, so the held rows are stored together just before that, before any sequence's pages are
+released (the engine's scheduler calls `before_release`), or when the next step's rows would not
+fit.
 
 "Expected accepted" is learned from what each sequence emitted. After a step, a sequence's new
 tokens are the accepted drafts plus the target's next token, so:
@@ -124,15 +125,18 @@ class HybridProposer(TokenProposer):
         self._scores: dict[int, _Scores] = {}
         self._steps_at_bucket: dict[int, int] = {}
 
-    def defers_context(self, num_rows: int) -> bool:
-        """A lookup-only step's rows are held, while they fit: exactly its drafting rows' blocks (a
-        step that also prefilled, or whose rows did not all draft, stores at once)."""
-        deferrable, self._lookup_only_rows = self._lookup_only_rows == num_rows, None
-        return deferrable and self.deferred.has_room(num_rows)
+    def defers_context(self, num_rows: int, *, prefill_only: bool) -> bool:
+        """The rows of a lookup-only step (exactly its drafting rows) or of a step that only prefilled
+        are held, while they fit; a step that mixes the two, or whose rows did not all draft, stores
+        at once. A prompt's context held this way is stored with the rest, before the drafter first
+        reads it or its pages go back: for a sequence the lookup serves throughout, one store instead
+        of two."""
+        lookup_only, self._lookup_only_rows = self._lookup_only_rows == num_rows, None
+        return (lookup_only or prefill_only) and self.deferred.has_room(num_rows)
 
-    def defer_context(self, taps, positions, seq_indices, slots) -> None:
+    def defer_context(self, taps, positions, seq_indices, slots, owners) -> None:
         """Held straight from the step's selection: the step buffers are not written (nor waited for)."""
-        self.deferred.hold(taps, positions, seq_indices, slots, self.staged)
+        self.deferred.hold(taps, positions, seq_indices, slots, owners)
 
     def store_context(self, num_rows: int) -> None:
         """Store the staged rows, and everything held, now."""

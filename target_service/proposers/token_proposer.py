@@ -55,14 +55,15 @@ class TokenProposer(ABC):
     @abstractmethod
     def propose(self, num_seqs: int, num_draft: int, num_block_cols: int) -> None: ...
 
-    def defers_context(self, num_rows: int) -> bool:
-        """Whether this step's num_rows context rows are held back (`defer_context`) instead of staged
-        and stored now: a proposer that keeps no context, or stores at once, says no."""
+    def defers_context(self, num_rows: int, *, prefill_only: bool) -> bool:
+        """Whether this step's num_rows context rows (prefill_only: the step decoded nothing) are held
+        back (`defer_context`) instead of staged and stored now: a proposer that keeps no context, or
+        stores at once, says no."""
         return False
 
-    def defer_context(self, taps, positions, seq_indices, slots) -> None:
+    def defer_context(self, taps, positions, seq_indices, slots, owners: list[Sequence]) -> None:
         """Hold this step's context rows (taps [N, tap_width]; N positions, sequence indices, slots on
-        the device), after `defers_context` said so."""
+        the device) of the sequences `owners`, after `defers_context` said so."""
         raise NotImplementedError(f"{type(self).__name__} stores its context at once")
 
     def before_release(self) -> None:  # noqa: B027 (a hook; a proposer without deferred work has none)

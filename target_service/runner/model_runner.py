@@ -253,8 +253,9 @@ class ModelRunner:
         seqs = [SeqTaps(rows[seq.seq_id].taps.stop - rows[seq.seq_id].taps.start, position < num_decodes,
                         seq.has_context, seq.seq_index) for position, seq in enumerate(scheduled)]
         positions, seq_indices, slots = select_context_rows(batch, seqs, accepted)
-        if isinstance(self.drafter, TokenProposer) and self.drafter.defers_context(taps.shape[0]):
-            self.drafter.defer_context(taps, positions, seq_indices, slots)
+        if isinstance(self.drafter, TokenProposer) and self.drafter.defers_context(
+                taps.shape[0], prefill_only=not plan.decodes):
+            self.drafter.defer_context(taps, positions, seq_indices, slots, scheduled)
             return
         try:
             self.drafter.settle()  # the last step's context may still be read from the buffers

@@ -195,16 +195,16 @@ def scripted_choice(cycle: int):
 @pytest.mark.parametrize("kv_cache_memory", ["4MiB", "256KiB"])
 def test_deferred_context_is_whole_when_dflash_reads_it_and_when_pages_go_back(tmp_path, monkeypatch,
                                                                               kv_cache_memory):
-    """The context of lookup-only steps is held and stored later; DFlash must still read exactly a
-    DFlash-only engine's context at every position both reach: after deferred steps (stored before
-    it drafts), in a second round whose prompts continue the first round's outputs (their blocks are
-    prefix hits whose context was held when the first round's sequences finished: stored before
-    their pages went back), and, in a pool too small for the batch, across preemption."""
+    """The context of lookup-only and prefill-only steps is held and stored later; DFlash must still
+    read exactly a DFlash-only engine's context at every position both reach: after deferred steps
+    (stored before it drafts), in a second round whose prompts continue the first round's outputs
+    (their blocks are prefix hits whose context was held when the first round's sequences finished:
+    stored before their pages went back), and, in a pool too small for the batch, across preemption."""
     monkeypatch.setattr(hybrid, "choose_step", scripted_choice(int(torch.randint(3, 6, ()).item())))
     target, drafter = make_pair(tmp_path)
     settings = {**SETTINGS, "kv_cache_memory": kv_cache_memory}
     prompts = repeating_prompts(4, 160) + random_prompts(2, 160)
-    recorded, held = {}, []
+    recorded, held, prefills_held = {}, [], []
     for method in ("hybrid", "dflash"):
         llm = LLM(target, drafter, speculative_method=method, num_speculative_tokens=5, **settings)
         runner = llm.assembly.runner
@@ -219,6 +219,13 @@ def test_deferred_context_is_whole_when_dflash_reads_it_and_when_pages_go_back(t
                 held.append(taps.shape[0])
                 hold(taps, positions, seq_indices, slots, owners)
             proposer.deferred.hold = counting
+            defers = proposer.defers_context
+
+            def noting_prefills(num_rows, *, prefill_only, defers=defers):
+                deferred = defers(num_rows, prefill_only=prefill_only)
+                prefills_held.append(prefill_only and deferred)
+                return deferred
+            proposer.defers_context = noting_prefills
         else:
             runner.swap_drafter(recorder)
         try:
@@ -234,6 +241,7 @@ def test_deferred_context_is_whole_when_dflash_reads_it_and_when_pages_go_back(t
         recorded[method] = recorder.proposals
         assert (preempted > 0) == (kv_cache_memory == "256KiB"), preempted
     assert held, "no step's context was deferred: the test shows nothing"
+    assert any(prefills_held), "no prefill-only step's context was deferred"
     common = recorded["hybrid"].keys() & recorded["dflash"].keys()
     continued_keys = {tuple(prompt) for prompt in continued}
     assert any(key[0] in continued_keys for key in common), "DFlash never drafted a continued prompt in both"
