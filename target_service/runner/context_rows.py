@@ -61,11 +61,7 @@ def per_seq_table(seqs: list[SeqTaps], device) -> torch.Tensor:
 def select_context_rows_torch(batch: ForwardBatch, seqs: list[SeqTaps], accepted: torch.Tensor | None):
     """`select_context_rows` in torch ops: the CPU path, and the kernel's reference."""
     num_rows, device = batch.tap_indices.shape[0], batch.device
-    counts, prefill_keeps, decode_keeps, seq_indices = to_device(
-        [[seq.num_rows for seq in seqs],
-         [seq.num_rows if seq.has_context and not seq.is_decode else 0 for seq in seqs],
-         [int(seq.is_decode and seq.has_context) for seq in seqs],
-         [seq.seq_index for seq in seqs]], torch.int64, device)
+    _, counts, prefill_keeps, decode_keeps, seq_indices = per_seq_table(seqs, device)
     verified = torch.ones_like(decode_keeps)  # a decode keeps its bonus and its accepted drafts
     if accepted is not None:
         verified[:accepted.shape[0]] += accepted
