@@ -29,12 +29,17 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from target_service.engine.acceptance_curve import AcceptanceCurve
-from target_service.proposers.step_clock import SETTLED_INTERVALS, StepClock, batch_bucket, step_seconds
+from target_service.proposers.step_clock import (
+    EXPLORE_EVERY,
+    SETTLED_INTERVALS,
+    Exploration,
+    StepClock,
+    step_seconds,
+)
 
 SERVER_HALF_LIFE = 2048.0  # verifies (rows x steps) over which the server's curve forgets half
 REQUEST_HALF_LIFE = 64.0  # ... one request's
 REQUEST_PRIOR_WEIGHT = 8.0  # trials of the server's curve that a request's own counts start from
-EXPLORE_EVERY = 64
 
 
 def default_choices(num_speculative_tokens: int) -> tuple[int, ...]:
@@ -106,10 +111,9 @@ class AdaptiveSpeculation:
         if not self.choices or min(self.choices) < 0 or max(self.choices) > num_speculative_tokens:
             raise ValueError(f"speculation choices {self.choices} must lie in 0..{num_speculative_tokens}")
         self.clock = clock or StepClock()
-        self.explore_every = explore_every
+        self.exploration = Exploration(self.clock, explore_every)
         self.server = AcceptanceCurve(num_speculative_tokens, half_life=SERVER_HALF_LIFE)
         self.steps_by_k: dict[int, int] = dict.fromkeys(self.choices, 0)  # the choices made, for /metrics
-        self._steps_at_bucket: dict[int, int] = {}
 
     def request_curve(self) -> AcceptanceCurve:
         return AcceptanceCurve(self.num_speculative_tokens, half_life=REQUEST_HALF_LIFE,
@@ -130,11 +134,8 @@ class AdaptiveSpeculation:
         """The step's k for these rows; every explore_every-th step at a batch bucket, the choice
         measured longest ago instead."""
         num_seqs = len(rows)
-        bucket = batch_bucket(num_seqs)
-        count = self._steps_at_bucket[bucket] = self._steps_at_bucket.get(bucket, 0) + 1
-        if count % self.explore_every == 0:
-            k = min(self.choices, key=lambda choice: self.clock.last_recorded(num_seqs, choice))
-        else:
+        k = self.exploration.due(num_seqs, self.choices)
+        if k is None:
             intervals = {choice: self.clock.intervals(num_seqs, choice) for choice in self.choices}
             k = best_k(rows, self.choices, lambda choice: step_seconds(intervals[choice]),
                        lambda choice: len(intervals[choice]) >= SETTLED_INTERVALS)

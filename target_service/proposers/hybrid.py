@@ -46,16 +46,9 @@ from drafter_service.control import DraftControl, DrafterUnavailable
 from drafter_service.step_buffers import StepBuffers
 from foundation.host_transfer import to_device
 from target_service.proposers.deferred_context import DeferredContext
-from target_service.proposers.hybrid_choice import (
-    EXPLORE_EVERY,
-    RowOutlook,
-    StepChoice,
-    choose_step,
-    explore,
-    weighed_times,
-)
+from target_service.proposers.hybrid_choice import RowOutlook, StepChoice, choose_step, explore, weighed_times
 from target_service.proposers.ngram import NgramLookups
-from target_service.proposers.step_clock import StepClock, batch_bucket
+from target_service.proposers.step_clock import Exploration, StepClock
 from target_service.proposers.token_proposer import DFLASH, NGRAM, TokenProposer
 
 logger = logging.getLogger(__name__)
@@ -123,7 +116,7 @@ class HybridProposer(TokenProposer):
         self._lookup_only_rows: int | None = None  # the rows of this step's store, if it may be deferred
         self._drafted: dict[int, _Drafted] = {}
         self._scores: dict[int, _Scores] = {}
-        self._steps_at_bucket: dict[int, int] = {}
+        self.exploration = Exploration(self.clock)
 
     def defers_context(self, num_rows: int, *, prefill_only: bool) -> bool:
         """The rows of a lookup-only step (exactly its drafting rows) or of a step that only prefilled
@@ -198,10 +191,8 @@ class HybridProposer(TokenProposer):
         """`choose_step` over the clock's weighed times; every EXPLORE_EVERY-th step at a batch size,
         the kind measured longer ago instead."""
         num_seqs = len(outlooks)
-        bucket = batch_bucket(num_seqs)
-        count = self._steps_at_bucket[bucket] = self._steps_at_bucket.get(bucket, 0) + 1
-        if count % EXPLORE_EVERY == 0:
-            stale = min((True, False), key=lambda kind: self.clock.last_recorded(num_seqs, kind))
+        stale = self.exploration.due(num_seqs, (True, False))  # kinds: whether the drafter ran
+        if stale is not None:
             return explore(outlooks, stale)
         intervals = self.clock.intervals(num_seqs, True), self.clock.intervals(num_seqs, False)
         return choose_step(outlooks, *weighed_times(*intervals))

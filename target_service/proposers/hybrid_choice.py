@@ -18,7 +18,8 @@ no more than one with it; and until the lookup-only step has `SETTLED_INTERVALS`
 as unknown, so it is measured where a row matches. (The drafter's step needs no such care: any row
 without a usable match takes it, which measures it again; weighing an unsettled one as cheap cost a
 cold engine drafter steps on prompts the lookup copies whole.) Every `EXPLORE_EVERY` steps at a batch
-size the kind measured longer ago is taken once (`explore`), so a stale time is corrected. Without
+size the kind measured longer ago is taken once (`explore`, when `step_clock.Exploration` says),
+so a stale time is corrected. Without
 these, one disturbed first lookup-only interval (123 ms against 55 ms steps with the drafter, on the
 demo pair on a CPU) kept the drafter running for good, even in steps where every row verified the
 lookup's proposal.
@@ -36,9 +37,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from target_service.proposers.step_clock import SETTLED_INTERVALS, step_seconds
+from target_service.proposers.step_clock import EXPLORE_EVERY, SETTLED_INTERVALS, step_seconds
 
-EXPLORE_EVERY = 64  # steps at a batch size between two steps of the kind measured longer ago
+__all__ = ["EXPLORE_EVERY", "RowOutlook", "StepChoice", "choose_step", "explore", "weighed_times"]
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ from collections.abc import Hashable, Sequence
 WINDOW = 15  # intervals kept per (kind, batch size)
 SETTLED_INTERVALS = 3  # intervals of a kind before its own time may rule it out
 STEP_QUANTILE = 0.25  # of a kind's intervals: its time (low, as slow outliers are upward only)
+EXPLORE_EVERY = 64  # choices at a batch size between two of the kind measured longest ago
 
 
 def step_seconds(intervals: Sequence[float]) -> float | None:
@@ -68,3 +69,21 @@ class StepClock:
     def last_recorded(self, num_seqs: int, kind: Hashable) -> int:
         """The serial of this key's latest interval (0: never): which measurement is the oldest."""
         return self._recorded_at.get((kind, batch_bucket(num_seqs)), 0)
+
+
+class Exploration:
+    """Every `every`-th choice at a batch size, the kind measured longest ago: a choice that weighs
+    measured times takes it once, so a time it stopped measuring is corrected (one step in `every`
+    may be off the best). Adaptive speculation and the hybrid proposer each keep one."""
+
+    def __init__(self, clock: StepClock, every: int = EXPLORE_EVERY):
+        self.clock, self.every = clock, every
+        self._choices_at_bucket: dict[int, int] = {}
+
+    def due(self, num_seqs: int, kinds: Sequence[Hashable]) -> Hashable | None:
+        """Count a choice at this batch size; the kind to take instead on every every-th, else None."""
+        bucket = batch_bucket(num_seqs)
+        count = self._choices_at_bucket[bucket] = self._choices_at_bucket.get(bucket, 0) + 1
+        if count % self.every:
+            return None
+        return min(kinds, key=lambda kind: self.clock.last_recorded(num_seqs, kind))

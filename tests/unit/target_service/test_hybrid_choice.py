@@ -113,13 +113,14 @@ def test_every_explore_every_th_step_at_a_batch_size_measures_the_stale_kind_aga
 
     from target_service.proposers.hybrid import HybridProposer
     from target_service.proposers.hybrid_choice import EXPLORE_EVERY
+    from target_service.proposers.step_clock import Exploration
 
     clock = StepClock()
     for _ in range(SETTLED_INTERVALS):
         clock.record(2, False, 0.030)  # the lookup-only kind: measured first, so the stale one
     for _ in range(SETTLED_INTERVALS):
         clock.record(2, True, 0.040)
-    proposer = SimpleNamespace(clock=clock, _steps_at_bucket={})
+    proposer = SimpleNamespace(clock=clock, exploration=Exploration(clock))
     rows = [RowOutlook(6.0, None), RowOutlook(5.0, 1.0)]  # DFlash's rows: the drafter wins on the rates
     choices = [HybridProposer._choose(proposer, rows) for _ in range(2 * EXPLORE_EVERY)]
     lookup_only = [i + 1 for i, choice in enumerate(choices) if not choice.run_drafter]
