@@ -19,8 +19,8 @@ import triton.language as tl
 from kernels.dispatch import resolve_backend
 from kernels.layers import apply_rope
 from kernels.layers import rms_norm as rms_norm_reference
+from kernels.operands import TL_DTYPES
 
-TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 SILU_BLOCK = 1024
 # Heads one norm_rope program takes: one head per program left a 512-row verify (B 32) at ~12 us per
 # layer for q, 16k programs of 64 elements each; a [heads, D/2] tile cuts the programs 8x.

@@ -21,8 +21,9 @@ import triton
 import triton.language as tl
 
 from kernels.dispatch import resolve_backend
-from kernels.fused_layers import NORM_ROPE_HEADS, TL_DTYPES, normed_rope_halves
+from kernels.fused_layers import NORM_ROPE_HEADS, normed_rope_halves
 from kernels.fused_layers import norm_rope as norm_rope_op
+from kernels.operands import TL_DTYPES
 from kernels.store import FP8_MAX, check_store_inputs
 from kernels.store import store_kv as store_kv_op
 from kernels.validation import FP8, check_rank, scale_argument
