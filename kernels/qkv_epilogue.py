@@ -24,23 +24,9 @@ from kernels.dispatch import resolve_backend
 from kernels.fused_layers import NORM_ROPE_HEADS, normed_rope_halves
 from kernels.fused_layers import norm_rope as norm_rope_op
 from kernels.operands import TL_DTYPES
-from kernels.store import FP8_MAX, check_store_inputs
+from kernels.store import cache_values, check_store_inputs
 from kernels.store import store_kv as store_kv_op
 from kernels.validation import FP8, check_rank, scale_argument
-
-FP8_LIMIT = tl.constexpr(FP8_MAX)
-
-
-@triton.jit
-def _stored(x, scale, SCALE_MODE: tl.constexpr, QUANTIZE: tl.constexpr):
-    """fp32 values as the cache holds them: divided by the scale and saturated when quantised."""
-    if QUANTIZE:
-        if SCALE_MODE == 2:
-            x = x / tl.load(scale).to(tl.float32)
-        elif SCALE_MODE == 1:
-            x = x / scale
-        x = tl.minimum(tl.maximum(x, -FP8_LIMIT), FP8_LIMIT)
-    return x
 
 
 @triton.jit(do_not_specialize_on_alignment=["slot_mapping_ptr"])  # a view at any offset of a step's slots
@@ -86,10 +72,10 @@ def _norm_rope_store_kernel(
         v_dst = (v_cache_ptr + block * stride_vcb + offset * stride_vct + heads[:, None] * stride_vch
                  + i[None, :])
         cache_dtype = k_cache_ptr.dtype.element_ty
-        tl.store(k_dst, _stored(k1, k_scale, K_SCALE_MODE, QUANTIZE).to(cache_dtype), mask=mask)
-        tl.store(k_dst + half, _stored(k2, k_scale, K_SCALE_MODE, QUANTIZE).to(cache_dtype), mask=mask)
-        tl.store(v_dst, _stored(v1, v_scale, V_SCALE_MODE, QUANTIZE).to(cache_dtype), mask=mask)
-        tl.store(v_dst + half, _stored(v2, v_scale, V_SCALE_MODE, QUANTIZE).to(cache_dtype), mask=mask)
+        tl.store(k_dst, cache_values(k1, k_scale, K_SCALE_MODE, QUANTIZE).to(cache_dtype), mask=mask)
+        tl.store(k_dst + half, cache_values(k2, k_scale, K_SCALE_MODE, QUANTIZE).to(cache_dtype), mask=mask)
+        tl.store(v_dst, cache_values(v1, v_scale, V_SCALE_MODE, QUANTIZE).to(cache_dtype), mask=mask)
+        tl.store(v_dst + half, cache_values(v2, v_scale, V_SCALE_MODE, QUANTIZE).to(cache_dtype), mask=mask)
 
 
 def _launch_norm_rope_store(q, k, v, q_norm, k_norm, cos, sin, eps, k_cache, v_cache, slot_mapping,

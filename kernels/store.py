@@ -31,20 +31,28 @@ __all__ = ["PAD_SLOT", "store_kv"]
 
 
 @triton.jit
+def cache_values(x, scale, SCALE_MODE: tl.constexpr, QUANTIZE: tl.constexpr):
+    """Values as an fp8 cache holds them when QUANTIZE (fp32: divided by the scale, SCALE_MODE as
+    `validation.scale_argument`, and saturated to float8_e4m3fn's finite range); else x as it is.
+    Shared with `kernels.qkv_epilogue`."""
+    if QUANTIZE:
+        x = x.to(tl.float32)
+        if SCALE_MODE == 2:
+            x = x / tl.load(scale).to(tl.float32)
+        elif SCALE_MODE == 1:
+            x = x / scale
+        x = tl.minimum(tl.maximum(x, -448.0), 448.0)
+    return x
+
+
+@triton.jit
 def _store_row(src_ptr, dst_ptr, token, block, offset, heads, dims, keep, scale,
                stride_sn, stride_sh, stride_sd, stride_db, stride_dt, stride_dh, stride_dd,
                SCALE_MODE: tl.constexpr, QUANTIZE: tl.constexpr):
     # src [N, NKV, D] row `token` -> dst [blocks, tpb, NKV, D] at (block, offset)
     mask = keep[:, None]
     src = src_ptr + token * stride_sn + heads[:, None] * stride_sh + dims[None, :] * stride_sd
-    row = tl.load(src, mask=mask, other=0.0)
-    if QUANTIZE:
-        x = row.to(tl.float32)
-        if SCALE_MODE == 2:
-            x = x / tl.load(scale).to(tl.float32)
-        elif SCALE_MODE == 1:
-            x = x / scale
-        row = tl.minimum(tl.maximum(x, -448.0), 448.0)  # saturate to float8_e4m3fn's finite range
+    row = cache_values(tl.load(src, mask=mask, other=0.0), scale, SCALE_MODE, QUANTIZE)
     dst = (dst_ptr + block * stride_db + offset * stride_dt + heads[:, None] * stride_dh
            + dims[None, :] * stride_dd)
     tl.store(dst, row.to(dst_ptr.dtype.element_ty), mask=mask)
