@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+import triton
 
 from dflash_cli.bench.random_pair import GEOMETRIES
 from foundation.checkpoint_config import TargetConfig, load_target_config
@@ -85,7 +86,10 @@ def best_skinny(x: torch.Tensor, weights: list[torch.Tensor], reps: int) -> tupl
     timed = []
     for tiles in CANDIDATES:
         call = _cycling(lambda x, w, tiles=tiles: skinny_gemm(x, w, tiles), x, weights)
-        timed.append((graph_time(call, reps), tiles))
+        try:
+            timed.append((graph_time(call, reps), tiles))
+        except (RuntimeError, triton.runtime.errors.OutOfResources) as exc:  # shared memory, registers
+            print(f"  skipped {tuple(tiles)}: {type(exc).__name__}", flush=True)
     seconds, tiles = min(timed)
     diff = (skinny_gemm(x, weights[0], tiles).float() - F.linear(x, weights[0]).float()).abs().max().item()
     return seconds, tiles, diff
@@ -131,7 +135,8 @@ def report(results: list[dict], copy_tbs: float, header: list[str]) -> str:
     for r in results:
         skinny = skinny_ratio = "-"
         if "skinny_us" in r:
-            tiles = "n {block_n} k {block_k} split {split_k} stages {num_stages}".format(**r["skinny_tiles"])
+            tiles = "n {block_n} k {block_k} split {split_k} stages {num_stages} swap {swap_ab}".format(
+                **r["skinny_tiles"])
             skinny = f"{r['skinny_us']:.1f} ({r['skinny_tbs']:.2f}) [{tiles}]"
             skinny_ratio = f"{r['skinny_us'] / r['linear_us']:.3f}"
         lines.append(

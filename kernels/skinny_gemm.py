@@ -3,13 +3,18 @@
 At 16 rows (a B 1 verify) the target's GEMMs read their weights once and do little else, so their
 time is the weights' bytes over the bandwidth they reach. On an H100 cuBLAS streams the big ones
 near the card's rate (gate/up 2.90 TB/s, lm_head 2.98) but the small ones well below it (q/k/v
-2.43, o 2.04; bench/results/small_gemm_h100.md): ~0.45 ms of a B 1 step. Here each program owns
-BLOCK_N output columns and, when SPLIT_K > 1, one of SPLIT_K slices of K, and streams its
-[BLOCK_N, K / SPLIT_K] slice of W through a pipelined loop of [BLOCK_N, BLOCK_K] tiles against the
-rows of x (all of them: M <= MAX_ROWS, padded to the dot's 16); slices add into an fp32 output
-with atomics, cast once at the end (a second, tiny launch). `bench.bench_small_gemm` times it
-beside cuBLAS over a few (BLOCK_N, BLOCK_K, SPLIT_K, stages) per shape; it is not wired into the
-model until it wins there.
+2.43, o 2.04; bench/results/small_gemm_h100.md): ~0.45 ms of a B 1 step.
+
+Here each program owns BLOCK_N output columns and, when SPLIT_K > 1, one of SPLIT_K slices of K,
+and streams its [BLOCK_N, K / SPLIT_K] slice of W through a pipelined loop of [BLOCK_N, BLOCK_K]
+tiles against the rows of x (all of them: M <= MAX_ROWS, padded to the dot's 16). With SWAP_AB the
+dot runs as W x^T (the weight tile is the tensor cores' wide operand, the rows the narrow one),
+else as x W^T. Split slices store fp32 partials; the last slice of a column tile to finish (an
+arrival counter, `split_kv.arrive_last`) sums them and writes y: one launch, no memset, no cast.
+With PDL (Hopper) a launch overlaps the tail of the kernel before it.
+
+`bench.bench_small_gemm` times it beside cuBLAS over `CANDIDATES` per shape; it is not wired into
+the model until it wins there.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import pdl, split_kv
+
 MAX_ROWS = 64
 
 
@@ -29,25 +36,33 @@ class SkinnyTiles(NamedTuple):
     split_k: int = 1
     num_stages: int = 4
     num_warps: int = 4
+    swap_ab: bool = True
 
 
 DEFAULT_TILES = SkinnyTiles()
-# What the bench sweeps per shape on a GPU.
-CANDIDATES = tuple(SkinnyTiles(n, k, s, st) for n in (32, 64, 128) for k in (128, 256) for s in (1, 2, 4)
-                   for st in (3, 5))
+# What the bench sweeps per shape on a GPU: column tiles of one warpgroup's wgmma height or half it,
+# splits that give the small weights (N 4096) enough programs to fill an H100/H200, both dot orders.
+CANDIDATES = tuple(SkinnyTiles(n, k, s, st, 4, swap) for swap in (True, False) for n in (32, 64, 128)
+                   for k in (128, 256) for s in (1, 2, 4) for st in (3, 5)
+                   if not (swap and n == 32))
 
 
 @triton.jit
-def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, num_rows, n, k, stride_xm, stride_wn, stride_ym,
-                        ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        SPLIT_K: tl.constexpr, NUM_STAGES: tl.constexpr):
+def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, part_ptr, counters, num_rows, n, k, stride_xm, stride_wn,
+                        stride_ym, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        SPLIT_K: tl.constexpr, NUM_STAGES: tl.constexpr, SWAP_AB: tl.constexpr,
+                        USE_PDL: tl.constexpr):
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.arange(0, ROWS)
     col_ok, row_ok = cols < n, rows < num_rows
     slice_len = tl.cdiv(tl.cdiv(k, SPLIT_K), BLOCK_K) * BLOCK_K
     lo = pid_k * slice_len
-    acc = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
+    if SWAP_AB:
+        acc = tl.zeros([BLOCK_N, ROWS], dtype=tl.float32)
+    else:
+        acc = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
+    pdl.wait_for_previous_grid(USE_PDL)
     for start in tl.range(lo, tl.minimum(lo + slice_len, k), BLOCK_K, num_stages=NUM_STAGES):
         ks = start + tl.arange(0, BLOCK_K)
         k_ok = ks < k
@@ -55,23 +70,38 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, num_rows, n, k, stride_xm, stride_w
                     other=0.0)
         x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=row_ok[:, None] & k_ok[None, :],
                     other=0.0)
-        acc = tl.dot(x, tl.trans(w), acc)
-    out = y_ptr + rows[:, None] * stride_ym + cols[None, :]
+        if SWAP_AB:
+            acc = tl.dot(w, tl.trans(x), acc)
+        else:
+            acc = tl.dot(x, tl.trans(w), acc)
+    pdl.allow_next_grid(USE_PDL)
+    if SWAP_AB:
+        acc = tl.trans(acc)
     mask = row_ok[:, None] & col_ok[None, :]
+    out = y_ptr + rows[:, None] * stride_ym + cols[None, :]
     if SPLIT_K == 1:
         tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=mask)
     else:
-        tl.atomic_add(out, acc, mask=mask)
+        # partials [SPLIT_K, num_rows, n] fp32; the column tile's last slice sums them in slice order
+        part = part_ptr + rows[:, None] * n + cols[None, :]
+        tl.store(part + pid_k * num_rows * n, acc, mask=mask)
+        if split_kv.arrive_last(counters + pid_n, SPLIT_K):
+            total = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
+            for s in range(SPLIT_K):
+                total += tl.load(part + s * num_rows * n, mask=mask, other=0.0)
+            tl.store(out, total.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, tiles: SkinnyTiles = DEFAULT_TILES) -> torch.Tensor:
+def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, tiles: SkinnyTiles = DEFAULT_TILES,
+                out: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ weight [N, K]^T -> [M, N] in x's dtype, for M <= MAX_ROWS.
 
     Parameters
     ----------
     x : Tensor [M, K], unit stride on K
     weight : Tensor [N, K], unit stride on K, x's dtype
-    tiles : SkinnyTiles, the launch shape (block sizes, K split, pipeline stages, warps)
+    tiles : SkinnyTiles, the launch shape (block sizes, K split, pipeline stages, warps, dot order)
+    out : optional Tensor [M, N] in x's dtype with unit column stride, written in place
     """
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"x must be [M, K] and weight [N, K], got {tuple(x.shape)} and "
@@ -80,13 +110,25 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, tiles: SkinnyTiles = DEFA
         raise ValueError(f"skinny_gemm takes 1..{MAX_ROWS} rows, got {x.shape[0]}")
     if x.stride(1) != 1 or weight.stride(1) != 1 or x.dtype != weight.dtype:
         raise ValueError("x and weight need a unit stride on K and one dtype")
+    if x.device != weight.device:
+        raise ValueError(f"x is on {x.device} and weight on {weight.device}")
     (num_rows, k), n = x.shape, weight.shape[0]
+    if out is None:
+        out = torch.empty((num_rows, n), dtype=x.dtype, device=x.device)
+    elif out.shape != (num_rows, n) or out.dtype != x.dtype or out.stride(1) != 1 or out.device != x.device:
+        raise ValueError(f"out must be {x.dtype} [{num_rows}, {n}] with unit column stride on {x.device}, "
+                         f"got {out.dtype} {tuple(out.shape)}")
     rows = max(16, triton.next_power_of_2(num_rows))
-    split = tiles.split_k > 1
-    y = torch.zeros((num_rows, n), dtype=torch.float32, device=x.device) if split else \
-        torch.empty((num_rows, n), dtype=x.dtype, device=x.device)
     grid = (triton.cdiv(n, tiles.block_n), tiles.split_k)
-    _skinny_gemm_kernel[grid](x, weight, y, num_rows, n, k, x.stride(0), weight.stride(0), y.stride(0),
-                              ROWS=rows, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, SPLIT_K=tiles.split_k,
-                              NUM_STAGES=tiles.num_stages, num_warps=tiles.num_warps)
-    return y.to(x.dtype) if split else y
+    if tiles.split_k > 1:
+        partials = torch.empty((tiles.split_k, num_rows, n), dtype=torch.float32, device=x.device)
+        counters = split_kv.arrival_counters(grid[0], x.device)
+    else:
+        partials = counters = out  # unread
+    use_pdl = pdl.use_pdl(x.device)
+    _skinny_gemm_kernel[grid](x, weight, out, partials, counters, num_rows, n, k, x.stride(0),
+                              weight.stride(0), out.stride(0), ROWS=rows, BLOCK_N=tiles.block_n,
+                              BLOCK_K=tiles.block_k, SPLIT_K=tiles.split_k, NUM_STAGES=tiles.num_stages,
+                              SWAP_AB=tiles.swap_ab, USE_PDL=use_pdl, num_warps=tiles.num_warps,
+                              launch_pdl=use_pdl)
+    return out
