@@ -13,7 +13,8 @@ filling 400 MB (one weight read over and over would come from L2: a 33 MB o proj
 3.7 TB/s on an H100, past its HBM's 3.35), and reported as achieved weight bandwidth against a
 device-to-device copy's on the same GPU. The two layouts' outputs are compared as well. At
 `--skinny-rows` the Triton candidate `kernels.skinny_gemm` is swept over its `CANDIDATES` launch
-shapes and its fastest reported beside cuBLAS (with its largest difference from F.linear).
+shapes and its fastest reported beside cuBLAS (with its largest difference from F.linear), and the
+launch shape `rule_tiles` picks (what `kernels.linear` runs) timed beside both.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import triton
 
 from dflash_cli.bench.random_pair import GEOMETRIES
 from foundation.checkpoint_config import TargetConfig, load_target_config
-from kernels.skinny_gemm import CANDIDATES, SkinnyTiles, skinny_gemm
+from kernels.skinny_gemm import CANDIDATES, SkinnyTiles, rule_tiles, skinny_gemm
 
 L2_SAFE_BYTES = 400 << 20  # the weights one timing cycles through: several times any Hopper's L2
 
@@ -116,11 +117,13 @@ def measure(shapes: dict[str, tuple[int, int]], rows: list[int], reps: int, dtyp
                             "max_abs_diff": diff})
             if m in skinny_rows:
                 skinny, tiles, skinny_diff = best_skinny(x, weights, skinny_reps)
+                rule = graph_time(_cycling(skinny_gemm, x, weights), reps)  # rule_tiles' choice
                 results[-1].update(skinny_us=skinny * 1e6, skinny_tbs=nbytes / skinny / 1e12,
-                                   skinny_tiles=tiles._asdict(), skinny_max_abs_diff=skinny_diff)
+                                   skinny_tiles=tiles._asdict(), skinny_max_abs_diff=skinny_diff,
+                                   rule_us=rule * 1e6, rule_tiles=rule_tiles(n, k, x.device)._asdict())
             swept = results[-1]
             skinny_line = (f", skinny {swept['skinny_us']:8.1f} us {tuple(swept['skinny_tiles'].values())}"
-                           if "skinny_us" in swept else "")
+                           f", rule {swept['rule_us']:8.1f} us" if "skinny_us" in swept else "")
             print(f"{name:8s} M {m:4d}: F.linear {linear * 1e6:8.1f} us, x @ Wt {matmul * 1e6:8.1f} us, "
                   f"max|diff| {diff:.2e}{skinny_line}", flush=True)
         del weights, weights_t
@@ -130,20 +133,24 @@ def measure(shapes: dict[str, tuple[int, int]], rows: list[int], reps: int, dtyp
 def report(results: list[dict], copy_tbs: float, header: list[str]) -> str:
     lines = [*header, "", f"Copy bandwidth (read + write): {copy_tbs:.2f} TB/s.", "",
              "| GEMM (N x K) | rows | F.linear us (TB/s, % copy) | x @ Wt us (TB/s, % copy) "
-             "| Wt / linear time | skinny_gemm best us (TB/s) [tiles] | skinny / linear time |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+             "| Wt / linear time | skinny_gemm best us (TB/s) [tiles] | skinny / linear time "
+             "| rule_tiles' us [split] | rule / linear time |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in results:
-        skinny = skinny_ratio = "-"
+        skinny = skinny_ratio = rule = rule_ratio = "-"
         if "skinny_us" in r:
             tiles = "n {block_n} k {block_k} split {split_k} stages {num_stages} swap {swap_ab}".format(
                 **r["skinny_tiles"])
             skinny = f"{r['skinny_us']:.1f} ({r['skinny_tbs']:.2f}) [{tiles}]"
             skinny_ratio = f"{r['skinny_us'] / r['linear_us']:.3f}"
+            rule = f"{r['rule_us']:.1f} [{r['rule_tiles']['split_k']}]"
+            rule_ratio = f"{r['rule_us'] / r['linear_us']:.3f}"
         lines.append(
             f"| {r['gemm']} ({r['n']} x {r['k']}) | {r['rows']} "
             f"| {r['linear_us']:.1f} ({r['linear_tbs']:.2f}, {100 * r['linear_tbs'] / copy_tbs:.0f}%) "
             f"| {r['matmul_t_us']:.1f} ({r['matmul_t_tbs']:.2f}, {100 * r['matmul_t_tbs'] / copy_tbs:.0f}%) "
-            f"| {r['matmul_t_us'] / r['linear_us']:.3f} | {skinny} | {skinny_ratio} |")
+            f"| {r['matmul_t_us'] / r['linear_us']:.3f} | {skinny} | {skinny_ratio} | {rule} "
+            f"| {rule_ratio} |")
     return "\n".join(lines) + "\n"
 
 

@@ -27,6 +27,7 @@ from foundation.weights import WeightSlot, empty_param
 from kernels import paged_context_attention
 from kernels.fused_layers import norm_rope, rms_norm, silu_and_mul
 from kernels.layers import RotaryEmbedding
+from kernels.linear import linear
 from kernels.qkv_epilogue import norm_rope_store
 
 
@@ -68,8 +69,8 @@ class DraftLayer(nn.Module):
             h = rms_norm(x, self.input_layernorm, self.eps)
         else:
             h, x = rms_norm(delta, self.input_layernorm, self.eps, residual=x)
-        q = F.linear(h, self.q_proj).view(batch_size, block_len, self.num_heads, self.head_dim)
-        k, v = F.linear(h, kv_proj).view(batch_size, block_len, 2, self.num_kv_heads, self.head_dim).unbind(2)
+        q = linear(h, self.q_proj).view(batch_size, block_len, self.num_heads, self.head_dim)
+        k, v = linear(h, kv_proj).view(batch_size, block_len, 2, self.num_kv_heads, self.head_dim).unbind(2)
         rows = batch_size * block_len  # per-head norm + RoPE, one fused kernel each on a GPU
         cos_rows, sin_rows = cos.reshape(rows, -1), sin.reshape(rows, -1)
         q = q.reshape(rows, self.num_heads, self.head_dim)
@@ -81,9 +82,9 @@ class DraftLayer(nn.Module):
             q, cache.k_cache, cache.v_cache, batch.block_table, batch.ctx_lens, k, v,
             scale=self.head_dim**-0.5, k_scale=cache.k_scale, v_scale=cache.v_scale,
         )
-        attn_out = F.linear(attn.reshape(batch_size, block_len, -1), self.o_proj)
+        attn_out = linear(attn.reshape(batch_size, block_len, -1), self.o_proj)
         mlp_in, x = rms_norm(attn_out, self.post_attention_layernorm, self.eps, residual=x)
-        return x, F.linear(silu_and_mul(F.linear(mlp_in, self.gate_up_proj)), self.down_proj)
+        return x, linear(silu_and_mul(linear(mlp_in, self.gate_up_proj)), self.down_proj)
 
 
 def drafter_weight_layout(config: DrafterConfig) -> dict[str, WeightSlot]:
@@ -173,8 +174,8 @@ class DFlashDrafter(nn.Module):
         _check_rows("slot_mapping", slot_mapping, 1, taps.shape[0])
         tokens, layers = taps.shape[0], config.num_hidden_layers
         heads, head_dim = config.num_key_value_heads, config.head_dim
-        context = rms_norm(F.linear(taps.to(self.fc.dtype), self.fc), self.hidden_norm, config.rms_norm_eps)
-        kv = F.linear(context, self.kv_proj).view(tokens, layers, 2, heads, head_dim)  # one GEMM, all layers
+        context = rms_norm(linear(taps.to(self.fc.dtype), self.fc), self.hidden_norm, config.rms_norm_eps)
+        kv = linear(context, self.kv_proj).view(tokens, layers, 2, heads, head_dim)  # one GEMM, all layers
         cos, sin = self.rotary.cos_sin(positions)  # one position per token
         k_norm = self.k_norm.view(layers, head_dim)
         for layer, cache in enumerate(caches):  # k normed and rotated, k and v stored: one launch a layer
@@ -212,5 +213,5 @@ class DFlashDrafter(nn.Module):
             x, delta = layer(x, delta, kv_proj[index], k_norm[index], cos, sin, batch, caches[index])
         # the last layer's add, in the final norm; block position k: position start + k
         out, _ = rms_norm(delta[:, 1:], self.norm, config.rms_norm_eps, residual=x[:, 1:])
-        logits = F.linear(out.to(lm_head.dtype), lm_head)  # [B, K, V]; the argmax needs no fp32 copy
+        logits = linear(out.to(lm_head.dtype), lm_head)  # [B, K, V]; the argmax needs no fp32 copy
         return DraftOutput(logits.argmax(dim=-1), logits.float() if return_logits else None)

@@ -70,7 +70,12 @@ def quantizes_q(cache_dtype: torch.dtype, device: torch.device, rows: int, head_
     elements per step: a head dim of 16 keeps the fp16 dot, as do smaller tiles and other GPUs.
     """
     return (cache_dtype == torch.float8_e4m3fn and rows >= 64 and head_dim >= 32
-            and device.type == "cuda" and _is_hopper(_index(device)))
+            and is_hopper(device))
+
+
+def is_hopper(device: torch.device) -> bool:
+    """Whether `device` is a Hopper GPU (sm_90), where the kernels' Hopper-only choices were measured."""
+    return device.type == "cuda" and _is_hopper(_index(device))
 
 
 def _index(device: torch.device) -> int:

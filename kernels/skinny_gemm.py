@@ -13,8 +13,8 @@ else as x W^T. Split slices store fp32 partials; the last slice of a column tile
 arrival counter, `split_kv.arrive_last`) sums them and writes y: one launch, no memset, no cast.
 With PDL (Hopper) a launch overlaps the tail of the kernel before it.
 
-`bench.bench_small_gemm` times it beside cuBLAS over `CANDIDATES` per shape; it is not wired into
-the model until it wins there.
+`bench.bench_small_gemm` times it beside cuBLAS over `CANDIDATES` per shape, and `rule_tiles`'
+choice beside both; `kernels.linear` takes it where that measured faster.
 """
 
 from __future__ import annotations
@@ -47,11 +47,21 @@ CANDIDATES = tuple(SkinnyTiles(n, k, s, st, 4, swap) for swap in (True, False) f
                    if not (swap and n == 32))
 
 
+def rule_tiles(n: int, k: int, device: torch.device) -> SkinnyTiles:
+    """The launch shape for an [N, K] weight, from the H100 sweep of the 8B target's GEMMs at 1 and 16
+    rows (bench/results/small_gemm_h100_skinny.md): 64-column tiles on the swapped dot won every
+    shape; a weight of too few column tiles to give each SM two programs takes two K slices (o and
+    down: 64 tiles on 132 SMs), and 256-wide K tiles in 4 stages stream every K the sweep saw."""
+    column_tiles = triton.cdiv(n, DEFAULT_TILES.block_n)
+    split = 2 if 2 * column_tiles <= split_kv.num_sms(device) and k >= 4 * DEFAULT_TILES.block_k else 1
+    return DEFAULT_TILES._replace(split_k=split)
+
+
 @triton.jit
 def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, part_ptr, counters, num_rows, n, k, stride_xm, stride_wn,
                         stride_ym, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         SPLIT_K: tl.constexpr, NUM_STAGES: tl.constexpr, SWAP_AB: tl.constexpr,
-                        USE_PDL: tl.constexpr):
+                        USE_PDL: tl.constexpr, PRECISION: tl.constexpr):
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.arange(0, ROWS)
@@ -71,9 +81,9 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, part_ptr, counters, num_rows, n, k,
         x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=row_ok[:, None] & k_ok[None, :],
                     other=0.0)
         if SWAP_AB:
-            acc = tl.dot(w, tl.trans(x), acc)
+            acc = tl.dot(w, tl.trans(x), acc, input_precision=PRECISION)
         else:
-            acc = tl.dot(x, tl.trans(w), acc)
+            acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
     pdl.allow_next_grid(USE_PDL)
     if SWAP_AB:
         acc = tl.trans(acc)
@@ -92,15 +102,17 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, part_ptr, counters, num_rows, n, k,
             tl.store(out, total.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, tiles: SkinnyTiles = DEFAULT_TILES,
+def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, tiles: SkinnyTiles | None = None,
                 out: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] @ weight [N, K]^T -> [M, N] in x's dtype, for M <= MAX_ROWS.
+    """x [M, K] @ weight [N, K]^T -> [M, N] in x's dtype, for M <= MAX_ROWS (fp32 in full precision,
+    not TF32).
 
     Parameters
     ----------
     x : Tensor [M, K], unit stride on K
     weight : Tensor [N, K], unit stride on K, x's dtype
-    tiles : SkinnyTiles, the launch shape (block sizes, K split, pipeline stages, warps, dot order)
+    tiles : SkinnyTiles, the launch shape (block sizes, K split, pipeline stages, warps, dot order);
+        None: `rule_tiles`'s
     out : optional Tensor [M, N] in x's dtype with unit column stride, written in place
     """
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
@@ -118,6 +130,7 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, tiles: SkinnyTiles = DEFA
     elif out.shape != (num_rows, n) or out.dtype != x.dtype or out.stride(1) != 1 or out.device != x.device:
         raise ValueError(f"out must be {x.dtype} [{num_rows}, {n}] with unit column stride on {x.device}, "
                          f"got {out.dtype} {tuple(out.shape)}")
+    tiles = tiles or rule_tiles(n, k, x.device)
     rows = max(16, triton.next_power_of_2(num_rows))
     grid = (triton.cdiv(n, tiles.block_n), tiles.split_k)
     if tiles.split_k > 1:
@@ -129,6 +142,7 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, tiles: SkinnyTiles = DEFA
     _skinny_gemm_kernel[grid](x, weight, out, partials, counters, num_rows, n, k, x.stride(0),
                               weight.stride(0), out.stride(0), ROWS=rows, BLOCK_N=tiles.block_n,
                               BLOCK_K=tiles.block_k, SPLIT_K=tiles.split_k, NUM_STAGES=tiles.num_stages,
-                              SWAP_AB=tiles.swap_ab, USE_PDL=use_pdl, num_warps=tiles.num_warps,
-                              launch_pdl=use_pdl)
+                              SWAP_AB=tiles.swap_ab, USE_PDL=use_pdl,
+                              PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+                              num_warps=tiles.num_warps, launch_pdl=use_pdl)
     return out

@@ -25,6 +25,7 @@ from foundation.weights import WeightSlot, empty_param, token_tables_layout
 from kernels import paged_attention
 from kernels.fused_layers import rms_norm, silu_and_mul
 from kernels.layers import RotaryEmbedding
+from kernels.linear import linear
 from kernels.qkv_epilogue import norm_rope_store
 from target_service.runner.forward_batch import ForwardBatch
 
@@ -78,7 +79,7 @@ class TargetLayer(nn.Module):
         else:
             x, h = rms_norm(delta, self.input_layernorm, self.eps, residual=h)
         entering = h
-        q, k, v = F.linear(x, self.qkv_proj, self.qkv_bias).split(
+        q, k, v = linear(x, self.qkv_proj, self.qkv_bias).split(
             [self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
              self.num_kv_heads * self.head_dim], dim=-1,
         )
@@ -94,9 +95,9 @@ class TargetLayer(nn.Module):
             q, cache.k_cache, cache.v_cache, batch.block_table, batch.seq_lens, batch.query_start_loc,
             scale=self.head_dim**-0.5, k_scale=cache.k_scale, v_scale=cache.v_scale,
         )
-        attn_out = F.linear(attn.reshape(tokens, -1), self.o_proj, self.o_bias)
+        attn_out = linear(attn.reshape(tokens, -1), self.o_proj, self.o_bias)
         mlp_in, h = rms_norm(attn_out, self.post_attention_layernorm, self.eps, residual=h)
-        return entering, h, F.linear(silu_and_mul(F.linear(mlp_in, self.gate_up_proj)), self.down_proj)
+        return entering, h, linear(silu_and_mul(linear(mlp_in, self.gate_up_proj)), self.down_proj)
 
 
 def target_weight_layout(config: TargetConfig) -> dict[str, WeightSlot]:
@@ -185,7 +186,7 @@ class TargetModel(nn.Module):
             tapped[last], _ = rms_norm(delta[tap_rows], self.norm, config.rms_norm_eps, residual=h[tap_rows])
         rows = batch.logits_indices
         out, _ = rms_norm(delta[rows], self.norm, config.rms_norm_eps, residual=h[rows])
-        logits = F.linear(out, self.lm_head)
+        logits = linear(out, self.lm_head)
         taps = [tapped[i] for i in self.tap_layer_ids]
         taps = torch.cat(taps, dim=-1) if taps else h.new_empty(batch.tap_indices.shape[0], 0)
         return TargetOutput(logits, taps)
