@@ -57,7 +57,10 @@ def rule_tiles(n: int, k: int, device: torch.device) -> SkinnyTiles:
     return DEFAULT_TILES._replace(split_k=split)
 
 
-@triton.jit
+# The row count changes from call to call within one weight's calls (a prefill chunk of 1..16 tokens,
+# a decode of 1..16 sequences): Triton would compile a kernel for 1, for multiples of 16 and for the
+# rest. The tiles already cover 16 rows; nothing is gained by specialising.
+@triton.jit(do_not_specialize=["num_rows"])
 def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, part_ptr, counters, num_rows, n, k, stride_xm, stride_wn,
                         stride_ym, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         SPLIT_K: tl.constexpr, NUM_STAGES: tl.constexpr, SWAP_AB: tl.constexpr,
