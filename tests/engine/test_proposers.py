@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from engine_helpers import DraftRecorder, make_pair, random_prompts
+from near_ties import assert_equal_up_to_a_near_tie
 from ngram_reference import common_prefix, search_from_scratch
 
 from target_service.engine.sampling_params import SamplingParams
@@ -35,6 +36,15 @@ def outputs(llm: LLM, prompts, params=GREEDY) -> list[list[int]]:
     return [out.outputs[0].token_ids for out in llm.generate(prompts, params)]
 
 
+def assert_greedy_equal(target, prompts, got: list[list[int]], expected: list[list[int]]) -> None:
+    """Equal to target-only greedy decoding, or parted only at a near-tie of the target's logits: on a
+    CPU a verify's few-row products and a decode's one-row product may round differently (seen once in
+    a full test run on fresh random models and prompts)."""
+    assert len(got) == len(expected)
+    for prompt, ours, reference in zip(prompts, got, expected):
+        assert_equal_up_to_a_near_tie(target, prompt, ours, reference)
+
+
 def plain(target, prompts, params=GREEDY) -> list[list[int]]:
     llm = LLM(target, **SETTINGS)
     try:
@@ -52,9 +62,9 @@ def test_greedy_with_lookup_equals_target_only(tmp_path, method, num_draft):
     llm = LLM(target, drafter if method == "hybrid" else None, speculative_method=method,
               num_speculative_tokens=num_draft, **SETTINGS)
     try:
-        assert outputs(llm, prompts[:1]) == expected[:1]  # alone, then batched
-        assert outputs(llm, prompts) == expected
-        assert outputs(llm, prompts) == expected  # again, over the prefix cache
+        assert_greedy_equal(target, prompts[:1], outputs(llm, prompts[:1]), expected[:1])  # alone, batched
+        assert_greedy_equal(target, prompts, outputs(llm, prompts), expected)
+        assert_greedy_equal(target, prompts, outputs(llm, prompts), expected)  # again, over the prefix cache
         assert llm.stats.num_drafts > 0 and llm.stats.num_accepted_tokens > 0
         usage = llm.engine.pool_usage()
         assert usage.num_used_blocks == 0 and usage.num_seqs == 0
@@ -70,7 +80,7 @@ def test_lookup_is_lossless_under_preemption(tmp_path):
     llm = LLM(target, speculative_method="ngram", num_speculative_tokens=5,
               **{**SETTINGS, "kv_cache_memory": "96KiB"})
     try:
-        assert outputs(llm, prompts) == expected
+        assert_greedy_equal(target, prompts, outputs(llm, prompts), expected)
         assert llm.engine.counters().num_preemptions > 0
     finally:
         llm.close()
