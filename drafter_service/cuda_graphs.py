@@ -17,6 +17,7 @@ import logging
 import torch
 
 from foundation.graph_capture import collector_held
+from kernels.linear import for_graphs
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +47,7 @@ class PaddedGraphs:
             return self
         try:
             pool = torch.cuda.graph_pool_handle()
-            with collector_held():
+            with collector_held(), for_graphs():
                 for size in reversed(self.sizes):
                     self._pad(0, size)
                     self._forward(size)

@@ -25,6 +25,7 @@ import torch
 
 from foundation.graph_capture import collector_held
 from kernels import PAD_SLOT
+from kernels.linear import for_graphs
 from target_service.runner.forward_batch import ForwardBatch
 
 logger = logging.getLogger(__name__)
@@ -91,7 +92,7 @@ class TargetGraphs:
         if not self.capturing:
             return self
         pool = torch.cuda.graph_pool_handle()
-        with collector_held():
+        with collector_held(), for_graphs():
             for key in self.keys:
                 for size in reversed(self.sizes):
                     batch = self.inputs[key].batch(key, size)
