@@ -48,10 +48,11 @@ CANDIDATES = tuple(SkinnyTiles(n, k, s, st, 4, swap) for swap in (True, False) f
 
 
 def rule_tiles(n: int, k: int, device: torch.device) -> SkinnyTiles:
-    """The launch shape for an [N, K] weight, from the H100 sweep of the 8B target's GEMMs at 1 and 16
-    rows (bench/results/small_gemm_h100_skinny.md): 64-column tiles on the swapped dot won every
-    shape; a weight of too few column tiles to give each SM two programs takes two K slices (o and
-    down: 64 tiles on 132 SMs), and 256-wide K tiles in 4 stages stream every K the sweep saw."""
+    """The launch shape for an [N, K] weight, drawn from the H100 sweep of the 8B target's GEMMs at 1 and
+    16 rows (bench/results/small_gemm_h100_skinny.md), where 64-column tiles on the swapped dot won 8
+    of the 10 cells: those tiles, 256-wide K tiles in 4 stages, and two K slices for a weight whose
+    column tiles would leave over half the SMs idle (o and down: 64 tiles on 132 SMs). On an H200 at
+    16 rows it came within 3% of the sweep's best on every GEMM (bench/results/skinny_gemm_h200.md)."""
     column_tiles = triton.cdiv(n, DEFAULT_TILES.block_n)
     split = 2 if 2 * column_tiles <= split_kv.num_sms(device) and k >= 4 * DEFAULT_TILES.block_k else 1
     return DEFAULT_TILES._replace(split_k=split)
