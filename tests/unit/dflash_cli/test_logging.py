@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -20,9 +21,12 @@ from dflash_cli.flags import log_level, walk_parsers
 def generate(target: Path, drafter: Path, *flags: str) -> subprocess.CompletedProcess:
     argv = ["generate", "--target", target, "--drafter", drafter, "--prompt-ids", "5,6,7",
             "--max-tokens", "4", "--device", "cpu", *flags]
-    # -m from the repository root: this checkout's dflash_cli, whatever is installed
+    # -m from the repository root: this checkout's dflash_cli, whatever is installed. A step slower than
+    # the slow-step threshold logs a WARNING (target_service.engine.slow_steps), which on a busy CI host
+    # one did: these runs are about the log level, so the threshold is put out of reach.
+    env = {**os.environ, "DFLASH_SLOW_STEP_MS": "1000000"}
     return subprocess.run([sys.executable, "-m", "dflash_cli.main", *map(str, argv)], capture_output=True,
-                          text=True, cwd=ROOT, timeout=300)
+                          text=True, cwd=ROOT, timeout=300, env=env)
 
 
 def test_generate_logs_nothing_by_default_and_info_with_v(tmp_path):
