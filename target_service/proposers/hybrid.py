@@ -118,13 +118,13 @@ class HybridProposer(TokenProposer):
         self._scores: dict[int, _Scores] = {}
         self.exploration = Exploration(self.clock)
 
-    def defers_context(self, num_rows: int, *, prefill_only: bool) -> bool:
-        """The rows of a lookup-only step (exactly its drafting rows) or of a step that only prefilled
-        are held, while they fit; a step that mixes the two, or whose rows did not all draft, stores
-        at once. A prompt's context held this way is stored with the rest, before the drafter first
-        reads it or its pages go back: for a sequence the lookup serves throughout, one store instead
-        of two."""
-        lookup_only, self._lookup_only_rows = self._lookup_only_rows == num_rows, None
+    def defers_context(self, step_rows: int, num_rows: int, *, prefill_only: bool) -> bool:
+        """The rows of a lookup-only step (its tap rows exactly its drafting rows) or of a step that
+        only prefilled are held, while they fit; a step that mixes the two, or whose rows did not all
+        draft, stores at once. A prompt's context held this way is stored with the rest, before the
+        drafter first reads it or its pages go back: for a sequence the lookup serves throughout, one
+        store instead of two."""
+        lookup_only, self._lookup_only_rows = self._lookup_only_rows == step_rows, None
         return (lookup_only or prefill_only) and self.deferred.has_room(num_rows)
 
     def defer_context(self, taps, positions, seq_indices, slots, owners) -> None:

@@ -55,10 +55,10 @@ class TokenProposer(ABC):
     @abstractmethod
     def propose(self, num_seqs: int, num_draft: int, num_block_cols: int) -> None: ...
 
-    def defers_context(self, num_rows: int, *, prefill_only: bool) -> bool:
-        """Whether this step's num_rows context rows (prefill_only: the step decoded nothing) are held
-        back (`defer_context`) instead of staged and stored now: a proposer that keeps no context, or
-        stores at once, says no."""
+    def defers_context(self, step_rows: int, num_rows: int, *, prefill_only: bool) -> bool:
+        """Whether this step's num_rows context rows (of its step_rows tap rows; prefill_only: the step
+        decoded nothing) are held back (`defer_context`) instead of staged and stored now: a proposer
+        that keeps no context, or stores at once, says no."""
         return False
 
     def defer_context(self, taps, positions, seq_indices, slots, owners: list[Sequence]) -> None:

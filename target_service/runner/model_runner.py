@@ -35,7 +35,7 @@ from target_service.engine.sequence import Sequence
 from target_service.engine.step_runner import StepTokens
 from target_service.proposers.token_proposer import DFLASH, TokenProposer
 from target_service.runner.constrained_step import ConstrainedStep, mask_executor
-from target_service.runner.context_rows import SeqTaps, select_context_rows
+from target_service.runner.context_rows import SeqTaps, context_rows
 from target_service.runner.cuda_graphs import GraphKey, TargetGraphs
 from target_service.runner.forward_batch import ForwardBatch, pack
 from target_service.runner.logprobs import StepLogprobs, gather_logprobs, plan_logprob_rows
@@ -240,11 +240,11 @@ class ModelRunner:
 
     def _store_context(self, batch: ForwardBatch, taps: torch.Tensor, plan: SchedulerOutput,
                        rows: dict[int, Rows], accepted: torch.Tensor | None) -> None:
-        """One drafter call: every tap row of the step, rows past a decode's accepted prefix (and
-        rows of sequences whose context has a gap) skipped.
+        """One drafter call: the step's tap rows, rows past a decode's accepted prefix (and rows of
+        sequences whose context has a gap) skipped.
 
-        The rows are selected on the device (`target_service.runner.context_rows`): nothing waits for
-        the GPU.
+        On a GPU the rows are selected on the device (`target_service.runner.context_rows`): nothing
+        waits for it.
         """
         scheduled = plan.seqs
         if not self._taps or taps.shape[0] == 0 or not any(seq.has_context for seq in scheduled):
@@ -252,14 +252,16 @@ class ModelRunner:
         num_decodes = len(plan.decodes)
         seqs = [SeqTaps(rows[seq.seq_id].taps.stop - rows[seq.seq_id].taps.start, position < num_decodes,
                         seq.has_context, seq.seq_index) for position, seq in enumerate(scheduled)]
-        positions, seq_indices, slots = select_context_rows(batch, seqs, accepted)
+        context = context_rows(batch, seqs, accepted, taps)
         if isinstance(self.drafter, TokenProposer) and self.drafter.defers_context(
-                taps.shape[0], prefill_only=not plan.decodes):
-            self.drafter.defer_context(taps, positions, seq_indices, slots, scheduled)
+                taps.shape[0], context.count, prefill_only=not plan.decodes):
+            self.drafter.defer_context(context.taps, context.positions, context.seq_indices, context.slots,
+                                       scheduled)
             return
         try:
             self.drafter.settle()  # the last step's context may still be read from the buffers
-            self.drafter.store_context(self.step_buffers.stage_context(taps, positions, seq_indices, slots))
+            self.drafter.store_context(self.step_buffers.stage_context(
+                context.taps, context.positions, context.seq_indices, context.slots))
         except DrafterUnavailable as error:
             self._lose_context(scheduled, error)
 

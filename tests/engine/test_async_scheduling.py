@@ -218,6 +218,7 @@ def test_steps_ahead_through_the_graph_runners_equal_target_only(tmp_path, stora
     stats = llm.stats
     assert (stats.num_accepted_tokens, stats.num_draft_tokens) == (eager["accepted"], eager["drafts"])
     assert engine.counters().num_steps_ahead > 0
-    assert 3 in served and 3 * 8 in stored  # 3 x 8 rows: padded to 32
+    # off a GPU only the kept context rows are stored (context_rows): counts between the captured sizes
+    assert 3 in served and any(0 < count < max(rows) and count not in rows for count in stored), stored
     assert engine.pool_usage().num_used_blocks == 0
     llm.close()

@@ -18,7 +18,7 @@ from engine_helpers import make_pair, random_prompts
 from kernels import PAD_SLOT
 from target_service.engine.sampling_params import SamplingParams
 from target_service.llm import LLM
-from target_service.runner.context_rows import SeqTaps, select_context_rows
+from target_service.runner.context_rows import SeqTaps, context_rows, select_context_rows
 from target_service.runner.forward_batch import SeqChunk, pack
 
 
@@ -83,7 +83,8 @@ def test_staged_context_rows_are_the_committed_positions_in_their_own_slots(tmp_
     prompts = random_prompts(7, 160, low=5, high=90)  # chunked prefills beside verify blocks
     outputs = llm.generate(prompts, SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
     llm.close()
-    assert checker.kept > 0 and checker.skipped > 0
+    # off a GPU only the kept rows are staged (context_rows): no row is stored past an accepted prefix
+    assert checker.kept > 0 and checker.skipped == 0
     # every request stored its whole history but the newest token (never run through the target)
     expected = sorted(len(out.prompt_token_ids) + len(out.outputs[0].token_ids) - 1 for out in outputs)
     assert sorted(len(positions) for positions in checker.stored.values()) == expected
@@ -143,3 +144,22 @@ def test_the_selection_kernel_equals_the_torch_ops_on_random_steps():
         for got_rows, expected_rows in zip(got, expected):
             assert got_rows.dtype == expected_rows.dtype
             assert torch.equal(got_rows, expected_rows)
+
+
+def test_the_host_path_keeps_exactly_the_rows_the_selection_does_not_skip():
+    """`context_rows` off a GPU hands over only the kept rows (taps included, in order): the rows of
+    the torch reference whose slot is not PAD_SLOT, on random steps."""
+    from target_service.runner.context_rows import select_context_rows_torch
+
+    rng = random.Random()
+    for _ in range(30):
+        batch, seqs, accepted = _random_step(rng, "cpu")
+        taps = torch.randn(batch.tap_indices.shape[0], 3)
+        positions, seq_indices, slots = select_context_rows_torch(batch, seqs, accepted)
+        kept = slots != PAD_SLOT
+        got = context_rows(batch, seqs, accepted, taps)
+        assert torch.equal(got.taps, taps[kept])
+        assert torch.equal(got.positions, positions[kept])
+        assert torch.equal(got.seq_indices, seq_indices[kept])
+        assert torch.equal(got.slots, slots[kept])
+        assert got.count == int(kept.sum())

@@ -231,8 +231,8 @@ def test_deferred_context_is_whole_when_dflash_reads_it_and_when_pages_go_back(t
             proposer.deferred.hold = counting
             defers = proposer.defers_context
 
-            def noting_prefills(num_rows, *, prefill_only, defers=defers):
-                deferred = defers(num_rows, prefill_only=prefill_only)
+            def noting_prefills(step_rows, num_rows, *, prefill_only, defers=defers):
+                deferred = defers(step_rows, num_rows, prefill_only=prefill_only)
                 prefills_held.append(prefill_only and deferred)
                 return deferred
             proposer.defers_context = noting_prefills
