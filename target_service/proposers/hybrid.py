@@ -27,10 +27,24 @@ tokens are the accepted drafts plus the target's next token, so:
   but never lowers it (`observe`): counted as exact, it would pull the lookup's score down to
   DFlash's acceptance plus one while DFlash drafts, however long the lookup's matches are. (On the
   demo pair this alone changed little: bench/results/proposers_h100.md.)
-Each score is a moving average over the sequence's steps (weight `RECENT` on the newest); DFlash's
-stands still while the lookup drafts. A sequence with no score yet borrows the moving average over
-all sequences (weight `RECENT_OVERALL`), and before anything was measured, K (optimism: a proposer
-never tried is tried). The lookup counts only where its match is at least `min_match` tokens long.
+Each score is a moving average over the sequence's steps (weight `RECENT` on the newest). A sequence
+with no score yet borrows the moving average over all sequences (weight `RECENT_OVERALL`), and before
+anything was measured, K (optimism: a proposer never tried is tried). DFlash's score is observed only
+when the drafter runs, so while the lookup drafts it is drawn back toward the average over sequences,
+keeping `FORGET` of its distance per step: a score that stood still after a few bad drafter steps
+shut DFlash out for the rest of a sequence, however well it would have done later (replayed on
+recorded outcomes, `bench.hybrid_replay`: a batch of four held-out code prompts stayed on the lookup
+for 49 steps where DFlash alone needed 31).
+
+The lookup is scored by the kind of match its proposal came from, each kind learned apart: a long one
+(at least `min_match` tokens, `LONG`), a short one (1 <= n < min_match, `SHORT`), and none (the
+proposal repeats the last token: worth nothing, never scored). One score over all of them counted a
+long match at the average of every step's, zeros of the steps without a match included. A short
+match is no chance: with the demo pair on the bench's prompts (bench/results/hybrid_replay.md), the
+lookup's 1-token matches had 1.8 and 2.1 drafts accepted a step on held-out code and edits, 10.5 on
+prompts that repeat, where counting them as nothing ran the drafter on those steps. Unlike a long
+match, a short one is not tried on optimism: until some short match's outcome is known it counts as
+no match, as before.
 
 All sequences still verify in one forward with one K (the uniform step): only the tokens differ.
 """
@@ -55,21 +69,38 @@ logger = logging.getLogger(__name__)
 
 RECENT = 0.5  # the newest step's weight in a sequence's score
 RECENT_OVERALL = 0.1  # ... in the score over all sequences
+FORGET = 0.95  # per step unobserved, what is left of a DFlash score's distance from the average
+
+
+LONG, SHORT = "long", "short"  # the kinds of lookup match that are scored
 
 
 @dataclass
 class _Drafted:
-    """What a sequence's last step was proposed: by whom, at which length, the lookup's tokens."""
+    """What a sequence's last step was proposed: by whom, at which length, the lookup's tokens and
+    the kind of its match (None: no match)."""
 
     source: str
     length: int  # the sequence's tokens when it was proposed (bonus included)
     lookup: list[int]
+    match: str | None
 
 
 @dataclass
 class _Scores:
-    lookup: float | None = None
+    long: float | None = None  # the lookup's, from long matches
+    short: float | None = None  # ... from short ones
     dflash: float | None = None
+    dflash_age: int = 0  # the sequence's steps since DFlash's score was last observed
+
+    def lookup(self, kind: str) -> float | None:
+        return self.long if kind == LONG else self.short
+
+    def observe_lookup(self, kind: str, value: float, censored: bool, weight: float) -> None:
+        if kind == LONG:
+            self.long = observe(self.long, value, censored, weight)
+        else:
+            self.short = observe(self.short, value, censored, weight)
 
 
 def _moving(score: float | None, value: float, weight: float = RECENT) -> float:
@@ -183,7 +214,8 @@ class HybridProposer(TokenProposer):
         lookup_rows = set(choice.lookup_rows)
         self.sources = [NGRAM if row in lookup_rows else DFLASH for row in range(num_seqs)]
         for seq, source, match in zip(seqs, self.sources, matches):
-            self._drafted[seq.seq_id] = _Drafted(source, seq.num_computed + 1, match.tokens)
+            kind = self._kind(match)
+            self._drafted[seq.seq_id] = _Drafted(source, seq.num_computed + 1, match.tokens, kind)
         if lookup_rows:
             self._write(sorted(lookup_rows), [matches[row].tokens for row in sorted(lookup_rows)], num_draft)
 
@@ -203,12 +235,19 @@ class HybridProposer(TokenProposer):
             self.clock.record(num_seqs, self._ran_drafter, seconds)
             self._ran_drafter = None
 
+    def _kind(self, match) -> str | None:
+        if match.ngram >= self.min_match:
+            return LONG
+        return SHORT if match.ngram > 0 else None
+
     def _outlook(self, seq, match, num_draft: int) -> RowOutlook:
         scores = self._scores.get(seq.seq_id, _Scores())
-        dflash = _first_known(scores.dflash, self.overall.dflash, num_draft)
-        if match.ngram < self.min_match:
+        dflash = _dflash_outlook(scores, _first_known(self.overall.dflash, num_draft))
+        kind = self._kind(match)
+        if kind is None:
             return RowOutlook(dflash, None)
-        return RowOutlook(dflash, _first_known(scores.lookup, self.overall.lookup, num_draft))
+        optimism = num_draft if kind == LONG else None  # a short match untried counts as none
+        return RowOutlook(dflash, _first_known(scores.lookup(kind), self.overall.lookup(kind), optimism))
 
     def _write(self, rows: list[int], tokens: list[list[int]], num_draft: int) -> None:
         buffers = self.step_buffers.draft_tokens
@@ -227,14 +266,24 @@ class HybridProposer(TokenProposer):
                 continue
             emitted = seq.token_slice(drafted.length, length)
             scores = self._scores.setdefault(seq.seq_id, _Scores())
-            lookup, censored = lookup_outcome(drafted.lookup, emitted, drafted.source == NGRAM)
-            scores.lookup = observe(scores.lookup, lookup, censored)
-            self.overall.lookup = observe(self.overall.lookup, lookup, censored, RECENT_OVERALL)
+            if drafted.match is not None:
+                lookup, censored = lookup_outcome(drafted.lookup, emitted, drafted.source == NGRAM)
+                scores.observe_lookup(drafted.match, lookup, censored, RECENT)
+                self.overall.observe_lookup(drafted.match, lookup, censored, RECENT_OVERALL)
+            scores.dflash_age += 1
             if drafted.source == DFLASH:
-                scores.dflash = _moving(scores.dflash, len(emitted) - 1)
+                scores.dflash, scores.dflash_age = _moving(scores.dflash, len(emitted) - 1), 0
                 self.overall.dflash = _moving(self.overall.dflash, len(emitted) - 1, RECENT_OVERALL)
         self._drafted = {}  # a sequence that does not draft this step starts over when it does
 
 
-def _first_known(*values: float | None) -> float:
-    return next(value for value in values if value is not None)
+def _dflash_outlook(scores: _Scores, prior: float) -> float:
+    """DFlash's expected accepted drafts for a sequence: its score, drawn back toward `prior` (the
+    average over sequences) by FORGET for each of its steps since the score was last observed."""
+    if scores.dflash is None:
+        return prior
+    return prior + (scores.dflash - prior) * FORGET**scores.dflash_age
+
+
+def _first_known(*values: float | None) -> float | None:
+    return next((value for value in values if value is not None), None)
