@@ -67,13 +67,16 @@ def _state(directory: Path) -> dict[str, torch.Tensor]:
 
 
 @torch.inference_mode()
-def record(classes: dict[str, list[list[int]]], max_tokens: int) -> dict[str, list[Recorded]]:
-    target_dir, drafter_dir = demo_target_path(), demo_drafter_path()
+def record(classes: dict[str, list[list[int]]], max_tokens: int, target_dir: Path | None = None,
+           drafter_dir: Path | None = None) -> dict[str, list[Recorded]]:
+    """Each prompt's greedy output and DFlash's proposals (the demo pair unless the checkpoint
+    directories are given)."""
+    target_dir, drafter_dir = Path(target_dir or demo_target_path()), Path(drafter_dir or demo_drafter_path())
     checkpoint = open_target_checkpoint(target_dir)
     drafter_config, _ = open_drafter_checkpoint(drafter_dir, checkpoint.config)
     target, drafter = DenseQwen3(checkpoint.config), DenseDFlashDrafter(drafter_config)
-    target.load_state_dict(_state(Path(target_dir)))
-    drafter.load_state_dict(_state(Path(drafter_dir)))
+    target.load_state_dict(_state(target_dir))
+    drafter.load_state_dict(_state(drafter_dir))
     block = drafter_config.block_size
     plain = LLM(str(target_dir), "none", device="cpu", dtype="float32", max_num_seqs=1, max_model_len=512,
                 kv_cache_memory="256MiB")
@@ -165,25 +168,31 @@ class Replayer:
             seq = _Seq(self._next_id, recorded.prompt + recorded.output[:1])
             seq.index, self._next_id = index, self._next_id + 1
             seqs.append(seq)
-        steps = drafter_runs = accepted = 0
+        steps = drafter_runs = accepted = drafts = 0
         time = 0.0
         while True:
             self._running = [seq for seq in seqs if len(seq.tokens) < len(prompts[seq.index].tokens)]
             if not self._running:
                 break
-            ran, proposals = self._proposals(self._running)
+            # A row may draft up to its tokens left but one (the last is the target's own, as the
+            # engine's draft budget has it); a step where no row may draft decodes plainly.
+            budgets = [len(prompts[seq.index].tokens) - len(seq.tokens) - 1 for seq in self._running]
+            ran, proposals = False, [[] for _ in self._running]
+            if max(budgets) > 0:
+                ran, proposals = self._proposals(self._running)
             cost = 1.0 + (self.drafter_cost if ran else 0.0)
-            for row, (seq, proposal) in enumerate(zip(self._running, proposals)):
+            for row, (seq, proposal, budget) in enumerate(zip(self._running, proposals, budgets)):
                 truth = prompts[seq.index].tokens[len(seq.tokens):]
-                count = _accepted(proposal[: max(0, len(truth) - 1)], truth)  # the last is the target's
+                count = _accepted(proposal[:budget], truth)
                 seq.tokens += truth[: count + 1]
-                accepted += count
-                if self.method == "ngram":
+                accepted, drafts = accepted + count, drafts + (budget > 0)
+                if self.method == "ngram" and budget > 0:
                     self.by_match.setdefault(self.match_lengths[row], []).append(count)
-            if self.hybrid is not None:
+            if self.hybrid is not None and max(budgets) > 0:
                 self.hybrid.step_took(len(self._running), cost)
             steps, drafter_runs, time = steps + 1, drafter_runs + ran, time + cost
-        return {"steps": steps, "drafter_runs": drafter_runs, "accepted": accepted, "time": time}
+        return {"steps": steps, "drafts": drafts, "drafter_runs": drafter_runs, "accepted": accepted,
+                "time": time}
 
 
 def replay_all(recorded: dict[str, list[Recorded]], drafter_cost: float, num_draft: int) -> dict:

@@ -43,6 +43,25 @@ class DraftRecorder:
         self.drafts.append(self.buffers.draft_tokens[:num_seqs, :num_draft].tolist())
 
 
+class PositionRecorder(DraftRecorder):
+    """Wraps the DFlash drafter: keeps each proposal by (prompt, position), as drafted (before a
+    hybrid puts a lookup's tokens over some rows)."""
+
+    def __init__(self, inner, buffers, engine):
+        super().__init__(inner, buffers)
+        self.engine = engine
+        self.proposals: dict[tuple, list[int]] = {}
+
+    def propose(self, num_seqs: int, num_draft: int, num_block_cols: int) -> None:
+        self.inner.propose(num_seqs, num_draft, num_block_cols)
+        by_index = {seq.seq_index: seq for seq in self.engine.running_sequences()}
+        buffers = self.buffers
+        rows = zip(buffers.seq_indices[:num_seqs].tolist(), buffers.start_positions[:num_seqs].tolist())
+        for row, (seq_index, start) in enumerate(rows):
+            key = (tuple(by_index[seq_index].prompt_token_ids), start)
+            self.proposals[key] = self.buffers.draft_tokens[row, :num_draft].tolist()
+
+
 def recorded_reference(target, drafter, prompts, params, **settings):
     """(llm, tokens, recorder): the single-process engine's outputs for `prompts` with every proposal
     recorded, the reference a split of the services must reproduce; the caller closes `llm`."""

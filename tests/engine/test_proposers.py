@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_helpers import DraftRecorder, make_pair, random_prompts
+from engine_helpers import PositionRecorder, make_pair, random_prompts
 from near_ties import assert_equal_up_to_a_near_tie
 from ngram_reference import common_prefix, search_from_scratch
 
@@ -115,25 +115,6 @@ def test_each_lookup_step_accepts_what_a_search_from_scratch_predicts(tmp_path):
         counted = (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens)
         assert counted == (drafts, drafted, accepted)
     assert sum(result.spec_decode.num_accepted_tokens for result in results) > 0
-
-
-class PositionRecorder(DraftRecorder):
-    """Wraps the DFlash drafter: keeps each proposal by (prompt, position), as drafted (before a
-    hybrid puts a lookup's tokens over some rows)."""
-
-    def __init__(self, inner, buffers, engine):
-        super().__init__(inner, buffers)
-        self.engine = engine
-        self.proposals: dict[tuple, list[int]] = {}
-
-    def propose(self, num_seqs: int, num_draft: int, num_block_cols: int) -> None:
-        self.inner.propose(num_seqs, num_draft, num_block_cols)
-        by_index = {seq.seq_index: seq for seq in self.engine.running_sequences()}
-        buffers = self.buffers
-        rows = zip(buffers.seq_indices[:num_seqs].tolist(), buffers.start_positions[:num_seqs].tolist())
-        for row, (seq_index, start) in enumerate(rows):
-            key = (tuple(by_index[seq_index].prompt_token_ids), start)
-            self.proposals[key] = self.buffers.draft_tokens[row, :num_draft].tolist()
 
 
 def switching_back(every: int):
