@@ -153,7 +153,7 @@ class Replayer:
         if self.method == "hybrid":
             self.hybrid.stage_sequences(running)
             self.hybrid.propose(count, self.num_draft, 1)
-            return self.hybrid._ran_drafter, self.buffers.draft_tokens[:count].tolist()
+            return self.hybrid.ran_drafter, self.buffers.draft_tokens[:count].tolist()
         if self.method == "dflash":
             self._dflash_propose(count, self.num_draft, 1)
             return True, self.buffers.draft_tokens[:count].tolist()

@@ -229,6 +229,11 @@ class HybridProposer(TokenProposer):
         intervals = self.clock.intervals(num_seqs, True), self.clock.intervals(num_seqs, False)
         return choose_step(outlooks, *weighed_times(*intervals))
 
+    @property
+    def ran_drafter(self) -> bool:
+        """Whether the last `propose` ran the DFlash drafter (read before its step is timed)."""
+        return bool(self._ran_drafter)
+
     def step_took(self, num_seqs: int, seconds: float) -> None:
         """The step of the last propose took `seconds`: filed under whether it ran the drafter."""
         if self._ran_drafter is not None:
