@@ -112,7 +112,7 @@ def test_a_dflash_score_unobserved_is_drawn_back_toward_the_average():
     score, prior, age = rng.uniform(0, 15), rng.uniform(0, 15), rng.randint(0, 40)
     assert _dflash_outlook(_Scores(dflash=score, dflash_age=age), prior) == pytest.approx(
         prior + (score - prior) * FORGET**age)
-    assert _dflash_outlook(_Scores(dflash=score), prior) == score  # just observed: its own
+    assert _dflash_outlook(_Scores(dflash=score), prior) == pytest.approx(score)  # just observed: its own
     assert _dflash_outlook(_Scores(), prior) == prior
 
 
