@@ -105,9 +105,9 @@ def record(classes: dict[str, list[list[int]]], max_tokens: int, target_dir: Pat
 class _Seq:
     """What a proposer reads of a sequence: its tokens so far (the newest, the bonus, not yet run)."""
 
-    def __init__(self, seq_id: int, tokens: list[int]):
+    def __init__(self, seq_id: int, index: int, tokens: list[int]):
         self.seq_id, self.tokens = seq_id, list(tokens)
-        self.index = 0  # its prompt's, in the batch being decoded
+        self.index = index  # its prompt's, in the batch being decoded
 
     @property
     def num_computed(self) -> int:
@@ -163,11 +163,9 @@ class Replayer:
 
     def decode(self, prompts: list[Recorded]) -> dict:
         self._prompts = prompts
-        seqs = []
-        for index, recorded in enumerate(prompts):  # the prefill's token is there already
-            seq = _Seq(self._next_id, recorded.prompt + recorded.output[:1])
-            seq.index, self._next_id = index, self._next_id + 1
-            seqs.append(seq)
+        first_id, self._next_id = self._next_id, self._next_id + len(prompts)
+        seqs = [_Seq(first_id + index, index, recorded.prompt + recorded.output[:1])  # the prefill's token
+                for index, recorded in enumerate(prompts)]
         steps = drafter_runs = accepted = drafts = 0
         time = 0.0
         while True:

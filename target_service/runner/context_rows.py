@@ -55,9 +55,9 @@ def context_rows(batch: ForwardBatch, seqs: list[SeqTaps], accepted: torch.Tenso
                  taps: torch.Tensor) -> ContextRows:
     """The step's context rows (taps [R, tap_width]: the forward's, one per tap row): on a GPU all R,
     selected on the device; elsewhere the kept ones only (the module's docstring says why)."""
-    _check_rows(batch, seqs)
     if batch.device.type == "cuda":
-        return ContextRows(taps, *select_context_rows(batch, seqs, accepted))
+        return ContextRows(taps, *select_context_rows(batch, seqs, accepted))  # which checks the rows
+    _check_rows(batch, seqs)
     rows, seq_indices = kept_tap_rows(seqs, accepted)
     kept = torch.tensor(rows, dtype=torch.int64, device=batch.device)
     token_rows = batch.tap_indices[kept]
@@ -117,7 +117,8 @@ def per_seq_table(seqs: list[SeqTaps], device) -> torch.Tensor:
 
 
 def select_context_rows_torch(batch: ForwardBatch, seqs: list[SeqTaps], accepted: torch.Tensor | None):
-    """`select_context_rows` in torch ops: the kernel's reference (and its path off a GPU)."""
+    """`select_context_rows` in torch ops: the kernel's reference (an engine off a GPU takes
+    `context_rows`' kept rows instead)."""
     num_rows, device = batch.tap_indices.shape[0], batch.device
     _, counts, prefill_keeps, decode_keeps, seq_indices = per_seq_table(seqs, device)
     verified = torch.ones_like(decode_keeps)  # a decode keeps its bonus and its accepted drafts
