@@ -6,7 +6,9 @@ mul), so a Qwen3 layer spent ~50 launches on them; here it is five. The math and
 the torch references' (`kernels.layers`: `rms_norm`, `apply_rope`, `swiglu`'s activation): statistics
 and rotations in fp32, every value the reference rounds to the model dtype rounded here at the same
 point, so a bf16 model sees the same numbers up to the order of one fp32 sum. Backend "auto" runs
-the reference on CPU tensors (`kernels.dispatch`).
+the reference on CPU tensors (`kernels.dispatch`). On Hopper each is launched with programmatic
+dependent launch (`kernels.pdl`), as the GEMMs and attention around them are: at batch 1 these
+kernels take 2-3 us each, so the launch gap before each is a good part of their time.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kernels import pdl
 from kernels.dispatch import resolve_backend
 from kernels.layers import apply_rope
 from kernels.layers import rms_norm as rms_norm_reference
@@ -30,11 +33,12 @@ NORM_ROPE_HEADS = 8
 @triton.jit
 def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, sum_ptr, n_cols, stride_x, stride_r,
                      stride_o, stride_s, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
-                     DTYPE: tl.constexpr):
+                     DTYPE: tl.constexpr, USE_PDL: tl.constexpr):
     # one row: [sum = x + residual, rounded to DTYPE], out = weight * (s * rsqrt(mean(s^2) + eps))
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
+    pdl.wait_for_previous_grid(USE_PDL)
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
         r = tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
@@ -43,6 +47,7 @@ def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, sum_ptr, n_cols, 
         x = s.to(tl.float32)
     inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n_cols + eps)
     w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    pdl.allow_next_grid(USE_PDL)
     y = (x * inv).to(DTYPE).to(tl.float32)
     tl.store(out_ptr + row * stride_o + cols, (w * y).to(DTYPE), mask=mask)
 
@@ -71,7 +76,7 @@ def normed_rope_halves(src, weight_ptr, cos_ptr, sin_ptr, token, stride_ct, i, m
 @triton.jit
 def _norm_rope_kernel(x_ptr, weight_ptr, cos_ptr, sin_ptr, out_ptr, num_heads, half, stride_xt, stride_xh,
                       stride_ct, stride_ot, stride_oh, eps, HAS_NORM: tl.constexpr, HEADS: tl.constexpr,
-                      BLOCK: tl.constexpr, DTYPE: tl.constexpr):
+                      BLOCK: tl.constexpr, DTYPE: tl.constexpr, USE_PDL: tl.constexpr):
     # HEADS heads of one token: [per-head RMSNorm, rounded like the reference], then the NeoX rotation
     token = tl.program_id(0)
     heads = tl.program_id(1) * HEADS + tl.arange(0, HEADS)
@@ -79,21 +84,26 @@ def _norm_rope_kernel(x_ptr, weight_ptr, cos_ptr, sin_ptr, out_ptr, num_heads, h
     col_mask = i < half
     mask = (heads < num_heads)[:, None] & col_mask[None, :]
     src = x_ptr + token * stride_xt + heads[:, None] * stride_xh + i[None, :]
+    pdl.wait_for_previous_grid(USE_PDL)
     y1, y2 = normed_rope_halves(src, weight_ptr, cos_ptr, sin_ptr, token, stride_ct, i, mask, col_mask, half,
                                 eps, HAS_NORM, DTYPE)
+    pdl.allow_next_grid(USE_PDL)
     dst = out_ptr + token * stride_ot + heads[:, None] * stride_oh + i[None, :]
     tl.store(dst, y1.to(DTYPE), mask=mask)
     tl.store(dst + half, y2.to(DTYPE), mask=mask)
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, inter, stride_x, stride_o, BLOCK: tl.constexpr, DTYPE: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, inter, stride_x, stride_o, BLOCK: tl.constexpr, DTYPE: tl.constexpr,
+                         USE_PDL: tl.constexpr):
     # out[:, j] = silu(gate[:, j]) * up[:, j] with x = [gate | up]; silu rounded first, as torch does
     row, block = tl.program_id(0), tl.program_id(1)
     cols = block * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
+    pdl.wait_for_previous_grid(USE_PDL)
     gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * stride_x + inter + cols, mask=mask, other=0.0).to(tl.float32)
+    pdl.allow_next_grid(USE_PDL)
     act = (gate / (1.0 + tl.exp(-gate))).to(DTYPE).to(tl.float32)
     tl.store(out_ptr + row * stride_o + cols, (act * up).to(DTYPE), mask=mask)
 
@@ -134,9 +144,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, residual: tor
     res = _rows(residual, "residual") if residual is not None else rows
     total = torch.empty_like(out) if residual is not None else out
     n = rows.shape[1]
+    use_pdl = pdl.use_pdl(x.device)
     _rms_norm_kernel[(rows.shape[0],)](
         rows, res, weight, out, total, n, rows.stride(0), res.stride(0), out.stride(0), total.stride(0), eps,
-        HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(n), DTYPE=TL_DTYPES[x.dtype])
+        HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(n), DTYPE=TL_DTYPES[x.dtype],
+        USE_PDL=use_pdl, launch_pdl=use_pdl)
     out = out.view(x.shape)
     return out if residual is None else (out, total.view(x.shape))
 
@@ -168,10 +180,12 @@ def norm_rope(x: torch.Tensor, weight: torch.Tensor | None, cos: torch.Tensor, s
     out = torch.empty((tokens, heads, head_dim), dtype=x.dtype, device=x.device)
     half = head_dim // 2
     heads_per_program = min(NORM_ROPE_HEADS, triton.next_power_of_2(heads))
+    use_pdl = pdl.use_pdl(x.device)
     _norm_rope_kernel[(tokens, triton.cdiv(heads, heads_per_program))](
         x, weight if weight is not None else x, cos, sin, out, heads, half, x.stride(0), x.stride(1),
         cos.stride(0), out.stride(0), out.stride(1), eps, HAS_NORM=weight is not None,
-        HEADS=heads_per_program, BLOCK=triton.next_power_of_2(half), DTYPE=TL_DTYPES[x.dtype])
+        HEADS=heads_per_program, BLOCK=triton.next_power_of_2(half), DTYPE=TL_DTYPES[x.dtype],
+        USE_PDL=use_pdl, launch_pdl=use_pdl)
     return out
 
 
@@ -186,6 +200,8 @@ def silu_and_mul(x: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
     inter = rows.shape[1] // 2
     out = torch.empty((rows.shape[0], inter), dtype=x.dtype, device=x.device)
     block = min(SILU_BLOCK, triton.next_power_of_2(inter))
+    use_pdl = pdl.use_pdl(x.device)
     _silu_and_mul_kernel[(rows.shape[0], triton.cdiv(inter, block))](
-        rows, out, inter, rows.stride(0), out.stride(0), BLOCK=block, DTYPE=TL_DTYPES[x.dtype])
+        rows, out, inter, rows.stride(0), out.stride(0), BLOCK=block, DTYPE=TL_DTYPES[x.dtype],
+        USE_PDL=use_pdl, launch_pdl=use_pdl)
     return out.view(*x.shape[:-1], inter)

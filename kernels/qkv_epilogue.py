@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import pdl
 from kernels.dispatch import resolve_backend
 from kernels.fused_layers import NORM_ROPE_HEADS, normed_rope_halves
 from kernels.fused_layers import norm_rope as norm_rope_op
@@ -37,13 +38,15 @@ def _norm_rope_store_kernel(
     stride_kcb, stride_kct, stride_kch, stride_vcb, stride_vct, stride_vch,
     Q_PROGRAMS: tl.constexpr, HEADS: tl.constexpr, BLOCK: tl.constexpr, TOKENS_PER_BLOCK: tl.constexpr,
     HAS_Q_NORM: tl.constexpr, HAS_K_NORM: tl.constexpr, K_SCALE_MODE: tl.constexpr,
-    V_SCALE_MODE: tl.constexpr, QUANTIZE: tl.constexpr, DTYPE: tl.constexpr,
+    V_SCALE_MODE: tl.constexpr, QUANTIZE: tl.constexpr, DTYPE: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     # program (token, j): j < Q_PROGRAMS takes query heads j * HEADS.., the rest key/value heads
     token = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1)
     i = tl.arange(0, BLOCK)
     col_mask = i < half
+    pdl.wait_for_previous_grid(USE_PDL)  # the projection's q, k, v (and the step's slots, cos, sin)
+    pdl.allow_next_grid(USE_PDL)  # the attention after it waits for this grid's stores all the same
     if j < Q_PROGRAMS:
         heads = j * HEADS + tl.arange(0, HEADS)
         mask = (heads < num_q_heads)[:, None] & col_mask[None, :]
@@ -95,6 +98,7 @@ def _launch_norm_rope_store(q, k, v, q_norm, k_norm, cos, sin, eps, k_cache, v_c
     k_arg, k_mode = scale_argument(k_scale)
     v_arg, v_mode = scale_argument(v_scale)
     cos, sin = cos.contiguous(), sin.contiguous()
+    use_pdl = pdl.use_pdl(k.device)
     _norm_rope_store_kernel[(tokens, q_programs + triton.cdiv(num_kv_heads, heads))](
         q_arg, k, v, q_norm if q_norm is not None else k, k_norm if k_norm is not None else k, cos, sin,
         out_arg, k_cache, v_cache, slot_mapping, k_arg, v_arg, num_q_heads, num_kv_heads, half, eps,
@@ -105,7 +109,8 @@ def _launch_norm_rope_store(q, k, v, q_norm, k_norm, cos, sin, eps, k_cache, v_c
         Q_PROGRAMS=q_programs, HEADS=heads, BLOCK=triton.next_power_of_2(half),
         TOKENS_PER_BLOCK=k_cache.shape[1],
         HAS_Q_NORM=q_norm is not None, HAS_K_NORM=k_norm is not None, K_SCALE_MODE=k_mode,
-        V_SCALE_MODE=v_mode, QUANTIZE=quantize, DTYPE=TL_DTYPES[k.dtype],
+        V_SCALE_MODE=v_mode, QUANTIZE=quantize, DTYPE=TL_DTYPES[k.dtype], USE_PDL=use_pdl,
+        launch_pdl=use_pdl,
     )
     return q_out
 

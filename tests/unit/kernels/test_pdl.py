@@ -52,3 +52,37 @@ def test_results_are_bitwise_equal_with_and_without_it(monkeypatch):
     without = both()
     for a, b in zip(with_pdl, without):
         assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 16, 300])
+def test_a_layers_small_kernels_chained_are_bitwise_equal_with_and_without_it(rows, monkeypatch):
+    # a layer's chain with each kernel reading the one before's output: residual add + RMSNorm, q/k
+    # norm + RoPE + K/V store into pages, per-head norm + RoPE, SiLU-and-mul (random values, fresh each run)
+    from kernels.fused_layers import norm_rope, rms_norm, silu_and_mul
+    from kernels.qkv_epilogue import norm_rope_store
+
+    gen = torch.Generator(device="cuda").manual_seed(torch.seed() % 2**31)
+    dev = dict(device="cuda", dtype=torch.bfloat16)
+    heads, kv_heads, dim, hidden = 8, 2, 128, 1024
+    x, residual = (torch.randn(rows, hidden, generator=gen, **dev) for _ in range(2))
+    weight, q_norm, k_norm = (torch.rand(n, generator=gen, **dev) + 0.5 for n in (hidden, dim, dim))
+    angles = torch.rand(rows, dim // 2, generator=gen, device="cuda") * 6.3
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    slots = torch.randperm(512, generator=gen, device="cuda")[:rows]
+
+    def chain():
+        normed, total = rms_norm(x, weight, 1e-6, residual=residual, backend="triton")
+        qkv = normed[:, : (heads + 2 * kv_heads) * dim // 2].repeat(1, 2).view(rows, heads + 2 * kv_heads, dim)
+        q, k, v = qkv.split([heads, kv_heads, kv_heads], dim=1)
+        k_cache, v_cache = (torch.zeros(32, 16, kv_heads, dim, **dev) for _ in range(2))
+        q_out = norm_rope_store(q, k, v, q_norm, k_norm, cos, sin, 1e-6, k_cache, v_cache, slots,
+                                backend="triton")
+        rotated = norm_rope(q_out, q_norm, cos, sin, 1e-6, backend="triton")
+        return total, q_out, k_cache, v_cache, rotated, silu_and_mul(normed, backend="triton")
+
+    with_pdl = chain()
+    monkeypatch.setattr(pdl, "_device_supports_pdl", lambda index: False)
+    without = chain()
+    for a, b in zip(with_pdl, without):
+        assert torch.equal(a, b)
