@@ -73,7 +73,8 @@ def test_a_layers_small_kernels_chained_are_bitwise_equal_with_and_without_it(ro
 
     def chain():
         normed, total = rms_norm(x, weight, 1e-6, residual=residual, backend="triton")
-        qkv = normed[:, : (heads + 2 * kv_heads) * dim // 2].repeat(1, 2).view(rows, heads + 2 * kv_heads, dim)
+        width = heads + 2 * kv_heads
+        qkv = normed[:, : width * dim // 2].repeat(1, 2).view(rows, width, dim)
         q, k, v = qkv.split([heads, kv_heads, kv_heads], dim=1)
         k_cache, v_cache = (torch.zeros(32, 16, kv_heads, dim, **dev) for _ in range(2))
         q_out = norm_rope_store(q, k, v, q_norm, k_norm, cos, sin, 1e-6, k_cache, v_cache, slots,
