@@ -7,13 +7,22 @@ for several steps at once, reads the drafter's context weights once instead of o
 CPU the store of a lookup-only step cost about 12% of it (the demo pair, one sequence), and the
 demo drafter stores 16 rows in 1.4 ms but 100 in 3.0 ms (2 threads), not 9.
 
-The rows (taps, positions, sequence indices and pool slots, exactly what the runner selected) are
-copied into buffers of this object's own straight from the step's selection, without a trip
-through the step buffers (whose writes would first wait for the drafter), and staged into the step
-buffers when they are stored. Only the owner decides when (`HybridProposer`): before
-the drafter reads the context, before a sequence's pages are released (after that its slots may be
-another sequence's), and when the next step's rows would not fit. `owners` are the sequences whose
-rows are held, so a store that the drafter misses can mark their context as having a gap.
+The taps are copied into a buffer of this object's own straight from the step's selection,
+without a trip through the step buffers (whose writes would first wait for the drafter): they are the
+forward's output, which the next step overwrites. The positions, sequence indices and pool slots are
+tensors the selection made for this step alone, so they are kept as they are and joined once, when
+the rows are staged into the step buffers to be stored (one copy a step where there were four). Only
+the owner decides when (`HybridProposer`): before the drafter reads the context, before a sequence's
+pages are released (after that its slots may be another sequence's), and when the next step's rows
+would not fit. `owners` are the sequences whose rows are held, so a store that the drafter misses can
+mark their context as having a gap.
+
+How many rows fit: up to `MAX_DEFERRED_ROWS` (a step of 64 sequences at K 15), as long as their taps
+take at most `MAX_DEFERRED_BYTES`, and at most what the step buffers' context side stages at once.
+Each store that the buffer's filling forces is one more drafter call: with room for 256 rows a batch
+of four at K 15 stored every fourth lookup-only step (on the GPU every row of a decode is held,
+rejected drafts as PAD_SLOT), and there, from 17 sequences up, one step's rows did not fit, so
+nothing was deferred at all.
 """
 
 from __future__ import annotations
@@ -23,16 +32,18 @@ import torch
 from drafter_service.step_buffers import StepBuffers
 from target_service.engine.sequence import Sequence
 
-MAX_DEFERRED_ROWS = 256  # 16 steps of one sequence at K 15; 10 MB of taps at the 8B geometry
+MAX_DEFERRED_ROWS = 1024  # one step of 64 sequences at K 15, 64 of one sequence
+MAX_DEFERRED_BYTES = 64 << 20  # of taps: 1024 rows at Qwen3-8B's five taps of 4096 (40 MB in bf16)
 
 
 class DeferredContext:
     def __init__(self, buffers: StepBuffers, capacity: int = MAX_DEFERRED_ROWS):
-        self.capacity = min(capacity, buffers.layout.max_context_rows)
         taps = buffers.taps
+        row_bytes = max(1, taps.shape[1] * taps.element_size())
+        most = min(capacity, MAX_DEFERRED_BYTES // row_bytes, buffers.layout.max_context_rows)
+        self.capacity = max(1, most)
         self.taps = torch.empty((self.capacity, taps.shape[1]), dtype=taps.dtype, device=taps.device)
-        self.positions, self.seq_indices, self.slots = (
-            torch.empty(self.capacity, dtype=torch.int64, device=taps.device) for _ in range(3))
+        self._indexing: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # per hold
         self.count = 0
         self.owners: dict[int, Sequence] = {}  # seq_id -> the sequence, for every sequence with rows held
 
@@ -41,29 +52,29 @@ class DeferredContext:
 
     def hold(self, taps: torch.Tensor, positions: torch.Tensor, seq_indices: torch.Tensor,
              slots: torch.Tensor, owners: list[Sequence]) -> None:
-        """Hold context rows (taps [N, tap_width]; N positions, sequence indices and slots): queued
-        device copies, straight from the step's own selection."""
+        """Hold context rows (taps [N, tap_width]; N positions, sequence indices and slots, tensors of
+        this step's selection that nothing else writes): the taps' queued device copy, the rest kept."""
         num_rows = taps.shape[0]
         if not self.has_room(num_rows):
             raise ValueError(f"{num_rows} more rows do not fit: {self.count} of {self.capacity} are held")
-        rows = slice(self.count, self.count + num_rows)
-        self.taps[rows].copy_(taps)
-        self.positions[rows].copy_(positions)
-        self.seq_indices[rows].copy_(seq_indices)
-        self.slots[rows].copy_(slots)
+        for name, values in (("positions", positions), ("seq_indices", seq_indices), ("slots", slots)):
+            if values.shape != (num_rows,):
+                raise ValueError(f"{name} must be [{num_rows}] like the taps, got {tuple(values.shape)}")
+        self.taps[self.count:self.count + num_rows].copy_(taps)
+        self._indexing.append((positions, seq_indices, slots))
         self.count += num_rows
         self.owners.update((seq.seq_id, seq) for seq in owners)
 
     def stage(self, buffers: StepBuffers) -> tuple[int, list[Sequence]]:
         """Put every held row back into the step buffers' context side and let go of them; returns
         their number and their owners."""
-        held = slice(0, self.count)
-        num_rows = buffers.stage_context(self.taps[held], self.positions[held], self.seq_indices[held],
-                                         self.slots[held])
+        positions, seq_indices, slots = (torch.cat(parts) if len(parts) > 1 else parts[0]
+                                         for parts in zip(*self._indexing))
+        num_rows = buffers.stage_context(self.taps[:self.count], positions, seq_indices, slots)
         return num_rows, self.clear()
 
     def clear(self) -> list[Sequence]:
         """Forget every held row (a restarted pool: their slots were the old pool's); returns the owners."""
         owners = list(self.owners.values())
-        self.count, self.owners = 0, {}
+        self.count, self.owners, self._indexing = 0, {}, []
         return owners

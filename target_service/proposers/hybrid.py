@@ -60,7 +60,14 @@ from drafter_service.control import DraftControl, DrafterUnavailable
 from drafter_service.step_buffers import StepBuffers
 from foundation.host_transfer import to_device
 from target_service.proposers.deferred_context import DeferredContext
-from target_service.proposers.hybrid_choice import RowOutlook, StepChoice, choose_step, explore, weighed_times
+from target_service.proposers.hybrid_choice import (
+    RowOutlook,
+    StepChoice,
+    choose_step,
+    explore,
+    unanimous_choice,
+    weighed_times,
+)
 from target_service.proposers.ngram import NgramLookups
 from target_service.proposers.step_clock import Exploration, StepClock
 from target_service.proposers.token_proposer import DFLASH, NGRAM, TokenProposer
@@ -201,23 +208,28 @@ class HybridProposer(TokenProposer):
     def propose(self, num_seqs: int, num_draft: int, num_block_cols: int) -> None:
         seqs = self.staged[:num_seqs]
         self._learn(seqs)
-        live = {seq.seq_id for seq in seqs}
-        self._scores = {seq_id: score for seq_id, score in self._scores.items() if seq_id in live}
+        if len(self._scores) > num_seqs:  # some sequence stopped drafting: forget its scores
+            live = {seq.seq_id for seq in seqs}
+            self._scores = {seq_id: score for seq_id, score in self._scores.items() if seq_id in live}
         matches = self.lookups.propose(seqs, num_draft)
-        outlooks = [self._outlook(seq, match, num_draft) for seq, match in zip(seqs, matches)]
+        kinds = [self._kind(match) for match in matches]
+        outlooks = [self._outlook(seq, kind, num_draft) for seq, kind in zip(seqs, kinds)]
         choice = self._choose(outlooks)
         self._ran_drafter = choice.run_drafter
         self._lookup_only_rows = None if choice.run_drafter else num_seqs * (num_draft + 1)
         if choice.run_drafter:
             self._store_deferred()  # the drafter reads the whole context
             self.dflash.propose(num_seqs, num_draft, num_block_cols)
-        lookup_rows = set(choice.lookup_rows)
-        self.sources = [NGRAM if row in lookup_rows else DFLASH for row in range(num_seqs)]
-        for seq, source, match in zip(seqs, self.sources, matches):
-            kind = self._kind(match)
+        lookup_rows = choice.lookup_rows  # ascending
+        if len(lookup_rows) == num_seqs:
+            self.sources = [NGRAM] * num_seqs
+        else:
+            chosen = set(lookup_rows)
+            self.sources = [NGRAM if row in chosen else DFLASH for row in range(num_seqs)]
+        for seq, source, match, kind in zip(seqs, self.sources, matches, kinds):
             self._drafted[seq.seq_id] = _Drafted(source, seq.num_computed + 1, match.tokens, kind)
         if lookup_rows:
-            self._write(sorted(lookup_rows), [matches[row].tokens for row in sorted(lookup_rows)], num_draft)
+            self._write(list(lookup_rows), [matches[row].tokens for row in lookup_rows], num_draft)
 
     def _choose(self, outlooks: list[RowOutlook]) -> StepChoice:
         """`choose_step` over the clock's weighed times; every EXPLORE_EVERY-th step at a batch size,
@@ -226,6 +238,9 @@ class HybridProposer(TokenProposer):
         stale = self.exploration.due(num_seqs, (True, False))  # kinds: whether the drafter ran
         if stale is not None:
             return explore(outlooks, stale)
+        unanimous = unanimous_choice(outlooks, bool(self.clock.intervals(num_seqs, True)))
+        if unanimous is not None:
+            return unanimous
         intervals = self.clock.intervals(num_seqs, True), self.clock.intervals(num_seqs, False)
         return choose_step(outlooks, *weighed_times(*intervals))
 
@@ -245,10 +260,9 @@ class HybridProposer(TokenProposer):
             return LONG
         return SHORT if match.ngram > 0 else None
 
-    def _outlook(self, seq, match, num_draft: int) -> RowOutlook:
-        scores = self._scores.get(seq.seq_id, _Scores())
+    def _outlook(self, seq, kind: str | None, num_draft: int) -> RowOutlook:
+        scores = self._scores.get(seq.seq_id) or _Scores()
         dflash = _dflash_outlook(scores, _first_known(self.overall.dflash, num_draft))
-        kind = self._kind(match)
         if kind is None:
             return RowOutlook(dflash, None)
         optimism = num_draft if kind == LONG else None  # a short match untried counts as none

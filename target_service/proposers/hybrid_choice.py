@@ -39,7 +39,8 @@ from dataclasses import dataclass
 
 from target_service.proposers.step_clock import EXPLORE_EVERY, SETTLED_INTERVALS, step_seconds
 
-__all__ = ["EXPLORE_EVERY", "RowOutlook", "StepChoice", "choose_step", "explore", "weighed_times"]
+__all__ = ["EXPLORE_EVERY", "RowOutlook", "StepChoice", "choose_step", "explore", "unanimous_choice",
+           "weighed_times"]
 
 
 @dataclass(frozen=True)
@@ -77,6 +78,16 @@ def _with_drafter(rows: list[RowOutlook]) -> StepChoice:
 
 def _lookup_only(rows: list[RowOutlook]) -> StepChoice:
     return StepChoice(False, tuple(range(len(rows))))
+
+
+def unanimous_choice(rows: list[RowOutlook], time_with_known: bool) -> StepChoice | None:
+    """`choose_step`'s answer where it needs no step times, else None: every row expects more from the
+    lookup than from DFlash, so the drafter's block would go unread, and the time with the drafter is
+    known (while it is not, `choose_step` runs the drafter to measure it). The common step of a
+    sequence that copies, answered without weighing the clock's intervals."""
+    if time_with_known and all(row.lookup is not None and row.lookup > row.dflash for row in rows):
+        return _lookup_only(rows)
+    return None
 
 
 def choose_step(rows: list[RowOutlook], time_with: float | None, time_without: float | None) -> StepChoice:

@@ -7,7 +7,14 @@ import random
 
 import pytest
 
-from target_service.proposers.hybrid_choice import RowOutlook, StepChoice, choose_step, explore, weighed_times
+from target_service.proposers.hybrid_choice import (
+    RowOutlook,
+    StepChoice,
+    choose_step,
+    explore,
+    unanimous_choice,
+    weighed_times,
+)
 from target_service.proposers.step_clock import SETTLED_INTERVALS, WINDOW, StepClock, batch_bucket
 
 
@@ -49,6 +56,26 @@ def test_a_step_whose_every_row_takes_the_lookup_skips_the_drafter_whatever_the_
     # would go unread: both rows verify the lookup's continuation
     assert choose_step(rows, 0.055, 0.123) == StepChoice(False, (0, 1))
     assert choose_step([*rows, RowOutlook(3.0, 3.0)], 0.055, 0.123) == StepChoice(True, (0, 1))
+
+
+def test_the_unanimous_shortcut_answers_as_choose_step_does_whatever_the_times():
+    rng = random.Random()
+    answered = 0
+    for _ in range(400):
+        rows = [RowOutlook(rng.uniform(0, 7), rng.choice([None, rng.uniform(0, 7), rng.uniform(5, 9)]))
+                for _ in range(rng.randint(1, 4))]
+        time_with = rng.choice([None, rng.uniform(0.01, 0.2)])
+        shortcut = unanimous_choice(rows, time_with is not None)
+        if shortcut is None:
+            continue
+        answered += 1
+        for time_without in (None, rng.uniform(0.01, 0.2), 10 * time_with):
+            assert choose_step(rows, time_with, time_without) == shortcut
+    assert answered > 20
+    # not where a row expects more of DFlash, nor while the drafter's step was never timed
+    assert unanimous_choice([RowOutlook(3.0, 5.0), RowOutlook(4.0, 2.0)], True) is None
+    assert unanimous_choice([RowOutlook(3.0, 5.0)], False) is None
+    assert unanimous_choice([RowOutlook(3.0, 5.0)], True) == StepChoice(False, (0,))
 
 
 def test_weighed_times_by_hand():
