@@ -17,12 +17,15 @@ pages are released (after that its slots may be another sequence's), and when th
 would not fit. `owners` are the sequences whose rows are held, so a store that the drafter misses can
 mark their context as having a gap.
 
-How many rows fit: up to `MAX_DEFERRED_ROWS` (a step of 64 sequences at K 15), as long as their taps
-take at most `MAX_DEFERRED_BYTES`, and at most what the step buffers' context side stages at once.
-Each store that the buffer's filling forces is one more drafter call: with room for 256 rows a batch
-of four at K 15 stored every fourth lookup-only step (on the GPU every row of a decode is held,
-rejected drafts as PAD_SLOT), and there, from 17 sequences up, one step's rows did not fit, so
-nothing was deferred at all.
+How many rows fit: up to `MAX_DEFERRED_ROWS`, as long as their taps take at most `MAX_DEFERRED_BYTES`,
+and at most what the step buffers' context side stages at once. Room for 1,024 rows was tried (a batch
+of four at K 15 stores every fourth lookup-only step on a GPU, where every row of a decode is held,
+rejected drafts as PAD_SLOT): on an H100 its tok/s over ngram's was within the runs' noise of 256
+rows', and on held-out code in one batch the hybrid's acceptance fell from 0.97-0.98 to 0.94 of the
+per-prompt better proposer's in both rounds (bench/results/proposers_ab_h100.md). A drafter step
+after a run of lookup-only steps first stores everything held, so its interval carries that store;
+the likely cause (not shown): four times the rows made the drafter's step look dearer, and the
+choice drafted less.
 """
 
 from __future__ import annotations
@@ -32,8 +35,8 @@ import torch
 from drafter_service.step_buffers import StepBuffers
 from target_service.engine.sequence import Sequence
 
-MAX_DEFERRED_ROWS = 1024  # one step of 64 sequences at K 15, 64 of one sequence
-MAX_DEFERRED_BYTES = 64 << 20  # of taps: 1024 rows at Qwen3-8B's five taps of 4096 (40 MB in bf16)
+MAX_DEFERRED_ROWS = 256  # 16 steps of one sequence at K 15
+MAX_DEFERRED_BYTES = 64 << 20  # of taps: 256 rows at Qwen3-8B's five taps of 4096 take 10 MB in bf16
 
 
 class DeferredContext:

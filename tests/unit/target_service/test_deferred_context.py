@@ -52,12 +52,11 @@ def test_rows_held_over_steps_are_staged_in_order_and_the_steps_own_taps_may_be_
     assert deferred.stage(buffers)[0] == 3
 
 
-def test_room_is_bounded_by_rows_by_the_taps_bytes_and_by_the_step_buffers():
+def test_room_is_bounded_by_rows_by_the_taps_bytes_and_by_the_step_buffers(monkeypatch):
     assert DeferredContext(_buffers(max_context_rows=2048)).capacity == deferred_context.MAX_DEFERRED_ROWS
     assert DeferredContext(_buffers(max_context_rows=100)).capacity == 100
-    wide = 1 << 16  # fp32 taps of 256 KiB a row: MAX_DEFERRED_BYTES / 256 KiB rows
-    rows = deferred_context.MAX_DEFERRED_BYTES // (4 * wide)
-    assert DeferredContext(_buffers(max_context_rows=300, tap_width=wide)).capacity == rows
+    monkeypatch.setattr(deferred_context, "MAX_DEFERRED_BYTES", 10 * 24 * 4 + 95)  # 10 fp32 rows of 24
+    assert DeferredContext(_buffers(max_context_rows=2048)).capacity == 10
 
 
 def test_rows_that_do_not_fit_or_disagree_are_refused_and_nothing_is_held():
