@@ -12,8 +12,12 @@ first P rows of taps, positions, sequence indices and pool slots. N rows are pad
 captured P: rows N..P-1 get PAD_SLOT (nothing stored), position 0 and sequence index 0, so whatever their
 taps hold they only cost arithmetic. The sizes are the batch sizes the propose graphs capture times
 the block size (the row counts of uniform steps at K = block_size - 1; a smaller K pads up), capped at
-MAX_ROWS so the graphs' activations stay small beside the pool. Prefill chunks, and anything larger,
-run eagerly.
+MAX_ROWS so the graphs' activations stay small beside the pool, and `DEFERRED_STORE_ROWS`: a hybrid
+proposer holds the context of lookup-only steps and hands over up to that many rows in one store
+(`target_service.proposers.deferred_context`), at any count, which no batch size's B x block_size
+covers past the largest batch. Eagerly each such store cost the host as much as the step it rode on
+(on the demo pair on a GPU, where the host sets the pace; every fourth lookup-only step of a batch of
+four). Prefill chunks, and anything larger, run eagerly.
 
 `capture=False` runs the same padded store eagerly, which is how a CPU tests the padding.
 """
@@ -24,12 +28,15 @@ from drafter_service.cuda_graphs import PaddedGraphs
 from kernels import PAD_SLOT
 
 MAX_ROWS = 1024  # 64 sequences x 16 rows; ~50 MB of bf16 activations at Qwen3-8B's drafter widths
+DEFERRED_STORE_ROWS = 256  # the most rows a deferred store hands over: 16 steps of one sequence at K 15
 
 
 def context_row_sizes(batch_sizes: list[int], block_size: int, max_rows: int) -> list[int]:
-    """Row counts to capture: each batch size's B x block_size, up to min(max_rows, MAX_ROWS)."""
+    """Row counts to capture: each batch size's B x block_size and DEFERRED_STORE_ROWS, up to
+    min(max_rows, MAX_ROWS)."""
     limit = min(max_rows, MAX_ROWS)
-    return sorted({size * block_size for size in batch_sizes if size * block_size <= limit})
+    sizes = {size * block_size for size in batch_sizes} | {DEFERRED_STORE_ROWS}
+    return sorted(size for size in sizes if size <= limit)
 
 
 class ContextGraphs(PaddedGraphs):

@@ -32,10 +32,11 @@ from __future__ import annotations
 
 import torch
 
+from drafter_service.context_graphs import DEFERRED_STORE_ROWS
 from drafter_service.step_buffers import StepBuffers
 from target_service.engine.sequence import Sequence
 
-MAX_DEFERRED_ROWS = 256  # 16 steps of one sequence at K 15
+MAX_DEFERRED_ROWS = DEFERRED_STORE_ROWS  # 16 steps of one sequence at K 15; its store replays a graph
 MAX_DEFERRED_BYTES = 64 << 20  # of taps: 256 rows at Qwen3-8B's five taps of 4096 take 10 MB in bf16
 
 

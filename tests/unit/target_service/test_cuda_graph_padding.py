@@ -8,8 +8,9 @@ import pytest
 import torch
 from tiny_checkpoints import write_target_checkpoint
 
-from drafter_service.context_graphs import ContextGraphs, context_row_sizes
+from drafter_service.context_graphs import DEFERRED_STORE_ROWS, ContextGraphs, context_row_sizes
 from drafter_service.cuda_graphs import ProposeGraphs
+from target_service.proposers.deferred_context import MAX_DEFERRED_ROWS
 from target_service.runner.checkpoint import load_target
 from target_service.runner.cuda_graphs import GraphKey, TargetGraphs
 from target_service.runner.forward_batch import SeqChunk, pack
@@ -102,6 +103,8 @@ def test_a_padded_context_store_writes_exactly_what_the_unpadded_one_writes(tmp_
     pool.close()
 
 
-def test_context_graph_sizes_are_the_batch_sizes_times_the_block_up_to_the_cap():
-    assert context_row_sizes([1, 2, 3, 8, 12, 64, 128], 16, 10_000) == [16, 32, 48, 128, 192, 1024]
+def test_context_graph_sizes_are_the_batch_sizes_times_the_block_and_a_deferred_store_up_to_the_cap():
+    assert DEFERRED_STORE_ROWS == MAX_DEFERRED_ROWS  # a hybrid's deferred store replays one graph
+    assert context_row_sizes([1, 2, 3, 8, 12, 64, 128], 16, 10_000) == [16, 32, 48, 128, 192, 256, 1024]
+    assert context_row_sizes([1, 2, 4], 16, 10_000) == [16, 32, 64, 256]
     assert context_row_sizes([1, 2, 4], 8, 20) == [8, 16]  # the step buffers' rows cap them too
