@@ -15,9 +15,11 @@ the block size (the row counts of uniform steps at K = block_size - 1; a smaller
 MAX_ROWS so the graphs' activations stay small beside the pool, and `DEFERRED_STORE_ROWS`: a hybrid
 proposer holds the context of lookup-only steps and hands over up to that many rows in one store
 (`target_service.proposers.deferred_context`), at any count, which no batch size's B x block_size
-covers past the largest batch. Eagerly each such store cost the host as much as the step it rode on
-(on the demo pair on a GPU, where the host sets the pace; every fourth lookup-only step of a batch of
-four). Prefill chunks, and anything larger, run eagerly.
+covers past the largest batch. Eagerly each such store is the ~20 launches above, on a host that
+sets the pace wherever the model is small (the demo pair on a GPU stores every fourth lookup-only step
+of a batch of four at K 15). With this size captured the hybrid ran at 0.952 of ngram's tok/s, without
+it 0.912, on a noisy H100 (bench/results/proposers_graph_store_h100.md). Prefill chunks, and anything
+larger, run eagerly.
 
 `capture=False` runs the same padded store eagerly, which is how a CPU tests the padding.
 """
