@@ -59,33 +59,50 @@ RESULTS = Path(__file__).resolve().parent / "results"
 # ---- measuring ----------------------------------------------------------------------------------
 
 class ChoiceMeter:
-    """Wraps a hybrid engine's proposer: time inside its propose and inside its DFlash drafter's calls
-    made from there (its propose, and the store of context deferred from lookup-only steps just
-    before it; the difference is what choosing costs), steps, and who drafted each row per request."""
+    """Wraps a hybrid engine's proposer and its runner's context store, per step:
+    - `hybrid_s`: time inside the proposer's propose; `dflash_s`: inside its DFlash drafter's calls made
+      from there (its propose, and the store of context deferred from lookup-only steps just before it);
+    - `lookup_s`: inside the lookup's proposal and the write of its tokens, work the ngram proposer does
+      too; what is left of propose (hybrid - dflash - lookup) is deciding;
+    - `context_s`: inside the runner's `_store_context` (the step's context rows selected, then held or
+      stored), less `context_dflash_s`, the drafter's stores made from there; ngram keeps no context;
+    and who drafted each row per request."""
 
     def __init__(self, llm: LLM, clock):
-        proposer = llm.assembly.runner.drafter
+        runner = llm.assembly.runner
+        proposer = runner.drafter
         if not isinstance(proposer, HybridProposer):
             raise TypeError(f"not a hybrid engine: its proposer is {type(proposer).__name__}")
         self.clock = clock
         self.reset()
         propose, dflash = proposer.propose, proposer.dflash
-        inside = [False]  # in the hybrid's propose: the drafter's calls from there are the drafter's time
+        where = [None]  # "propose" or "context": the drafter's calls from there are the drafter's time
 
         def timed_dflash(call):
             def timed_call(*args):
                 started = clock()
                 call(*args)
-                if inside[0]:
+                if where[0] == "propose":
                     self.dflash_s += clock() - started
+                elif where[0] == "context":
+                    self.context_dflash_s += clock() - started
+            return timed_call
+
+        def timed_lookup(call):
+            def timed_call(*args):
+                started = clock()
+                try:
+                    return call(*args)
+                finally:
+                    self.lookup_s += clock() - started
             return timed_call
 
         def timed(*args):
-            started, inside[0] = clock(), True
+            started, where[0] = clock(), "propose"
             try:
                 propose(*args)
             finally:
-                inside[0] = False
+                where[0] = None
             self.hybrid_s += clock() - started
             self.steps += 1
             for seq, source in zip(proposer.staged, proposer.sources):
@@ -93,12 +110,25 @@ class ChoiceMeter:
                 rows[0] += source == NGRAM
                 rows[1] += 1
 
+        store_context = runner._store_context
+
+        def timed_context(*args):
+            started, outer, where[0] = clock(), where[0], "context"
+            try:
+                store_context(*args)
+            finally:
+                where[0] = outer
+            self.context_s += clock() - started
+
         for name in ("propose", "store_context", "settle"):
             setattr(dflash, name, timed_dflash(getattr(dflash, name)))
+        proposer.lookups.propose = timed_lookup(proposer.lookups.propose)
+        proposer._write = timed_lookup(proposer._write)
         proposer.propose = timed
+        runner._store_context = timed_context
 
     def reset(self) -> None:
-        self.hybrid_s = self.dflash_s = 0.0
+        self.hybrid_s = self.dflash_s = self.lookup_s = self.context_s = self.context_dflash_s = 0.0
         self.steps = 0
         self.rows: dict[str, list[int]] = {}
 
@@ -132,7 +162,8 @@ def run_once(llm: LLM, prompts, params, clock, meter: ChoiceMeter | None) -> dic
            "drafts": [out.spec_decode.num_drafts for out in outputs],
            "accepted": [out.spec_decode.num_accepted_tokens for out in outputs]}
     if meter is not None:
-        run.update(hybrid_s=meter.hybrid_s, dflash_s=meter.dflash_s, steps=meter.steps,
+        run.update(hybrid_s=meter.hybrid_s, dflash_s=meter.dflash_s, lookup_s=meter.lookup_s,
+                   context_s=meter.context_s, context_dflash_s=meter.context_dflash_s, steps=meter.steps,
                    rows=[meter.rows.get(out.request_id, [0, 0]) for out in outputs])
     return run
 
@@ -143,6 +174,10 @@ def _acceptance(drafts: int, accepted: int) -> float:
 
 def _spread(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def _us_per_step(runs: list[dict], key: str, steps: int) -> float:
+    return 1e6 * sum(run[key] for run in runs) / max(1, steps)
 
 
 def _flat(runs: list[dict]) -> list[list[int]]:
@@ -183,6 +218,11 @@ def summarize(runs: dict[str, list[list[dict]]], mode: str) -> dict:
             choosing = sum(run["hybrid_s"] - run["dflash_s"] for run in every)
             row["choose_us_per_step"] = 1e6 * choosing / max(1, steps)
             row["dflash_us_per_step"] = 1e6 * sum(run["dflash_s"] for run in every) / max(1, steps)
+            row["lookup_us_per_step"] = _us_per_step(every, "lookup_s", steps)
+            row["deciding_us_per_step"] = row["choose_us_per_step"] - row["lookup_us_per_step"]
+            row["context_dflash_us_per_step"] = _us_per_step(every, "context_dflash_s", steps)
+            row["context_us_per_step"] = (_us_per_step(every, "context_s", steps)
+                                          - row["context_dflash_us_per_step"])
             row["steps_timed"] = steps
         out[method] = row
     return out

@@ -65,8 +65,19 @@ def _class_table(name: str, cls: dict, mode: str) -> list[str]:
               "Identical to plain greedy: "
               + ", ".join(f"{m} {rows[m]['lossless']}/{rows[m]['outputs']}" for m in METHODS)
               + f". Choosing: {hybrid['choose_us_per_step']:.0f} us per step beside the DFlash drafter's "
-              f"{hybrid['dflash_us_per_step']:.0f} us ({hybrid['steps_timed']} timed steps).", ""]
+              f"{hybrid['dflash_us_per_step']:.0f} us ({hybrid['steps_timed']} timed steps)"
+              + _choosing_parts(hybrid) + ".", ""]
     return lines
+
+
+def _choosing_parts(hybrid: dict) -> str:
+    """Where the hybrid's host time per step goes beyond the drafter's (records before the split lack it)."""
+    if "deciding_us_per_step" not in hybrid:
+        return ""
+    return (f": deciding {hybrid['deciding_us_per_step']:.0f} us, the lookup's proposal and its write "
+            f"{hybrid['lookup_us_per_step']:.0f} us (ngram's work too); the runner's context rows, held or "
+            f"stored, {hybrid['context_us_per_step']:.0f} us beside the drafter's stores from there "
+            f"{hybrid['context_dflash_us_per_step']:.0f} us")
 
 
 def report(record: dict) -> str:

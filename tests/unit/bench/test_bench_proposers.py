@@ -4,7 +4,7 @@ Oracles: every method's outputs equal plain greedy decoding (the bench's lossles
 the acceptance it reports for each prompt equals 1 + accepted / drafts of a separate engine's
 RequestOutput for that prompt alone; the hybrid's ngram share is a fraction of the rows it drafted,
 each request's rows at least its verified drafts, and its choosing cost was measured over steps it
-actually took.
+actually took, split into the lookup's part and deciding, beside the runner's context work.
 """
 
 import pytest
@@ -81,4 +81,10 @@ def test_ngram_share_is_a_fraction_and_choosing_was_timed_over_real_steps(measur
             for (lookup, drafted), drafts in zip(hybrid["rows_per_prompt"], hybrid["num_drafts"]):
                 assert 0 <= lookup <= drafted and drafted >= drafts > 0  # every verified draft was a row
             assert hybrid["steps_timed"] > 0 and hybrid["choose_us_per_step"] > 0
+            # the parts: the lookup's share of choosing (inside it, so deciding is what is left, >= 0)
+            # and the runner's context work, which every step with taps does
+            assert 0 < hybrid["lookup_us_per_step"] and 0 <= hybrid["deciding_us_per_step"]
+            assert hybrid["lookup_us_per_step"] + hybrid["deciding_us_per_step"] == pytest.approx(
+                hybrid["choose_us_per_step"])
+            assert hybrid["context_us_per_step"] > 0 and hybrid["context_dflash_us_per_step"] >= 0
     assert set(record["goals"]) == {f"{name}/{mode}" for name in record["classes"] for mode in MODES}
