@@ -72,6 +72,8 @@ class DeferredContext:
     def stage(self, buffers: StepBuffers) -> tuple[int, list[Sequence]]:
         """Put every held row back into the step buffers' context side and let go of them; returns
         their number and their owners."""
+        if not self._indexing:  # nothing was ever held: nothing to stage
+            return 0, self.clear()
         positions, seq_indices, slots = (torch.cat(parts) if len(parts) > 1 else parts[0]
                                          for parts in zip(*self._indexing))
         num_rows = buffers.stage_context(self.taps[:self.count], positions, seq_indices, slots)

@@ -47,7 +47,8 @@ def test_rows_held_over_steps_are_staged_in_order_and_the_steps_own_taps_may_be_
     assert torch.equal(buffers.context_positions[:num_rows], expected[1])
     assert torch.equal(buffers.context_seq_indices[:num_rows], expected[2])
     assert torch.equal(buffers.context_slots[:num_rows], expected[3])
-    # after staging it holds nothing, and takes rows again
+    # after staging it holds nothing (staging again stages nothing), and takes rows again
+    assert deferred.stage(buffers) == (0, [])
     deferred.hold(*_step(rng, 3, 24), [_Seq(9)])
     assert deferred.stage(buffers)[0] == 3
 
