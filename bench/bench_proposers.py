@@ -64,8 +64,9 @@ class ChoiceMeter:
       from there (its propose, and the store of context deferred from lookup-only steps just before it);
     - `lookup_s`: inside the lookup's proposal and the write of its tokens, work the ngram proposer does
       too; what is left of propose (hybrid - dflash - lookup) is deciding;
-    - `context_s`: inside the runner's `_store_context` (the step's context rows selected, then held or
-      stored), less `context_dflash_s`, the drafter's stores made from there; ngram keeps no context;
+    - `context_s`: inside the runner's `_store_context` at steps that decode (the step's context rows
+      selected, then held or stored; `context_steps` of them), less `context_dflash_s`, the drafter's
+      stores made from there; a prefill-only step's are not counted; ngram keeps no context;
     and who drafted each row per request."""
 
     def __init__(self, llm: LLM, clock):
@@ -112,13 +113,16 @@ class ChoiceMeter:
 
         store_context = runner._store_context
 
-        def timed_context(*args):
+        def timed_context(batch, taps, plan, *rest):
+            if not plan.decodes:  # a prefill-only step: not a decode step's cost
+                return store_context(batch, taps, plan, *rest)
             started, outer, where[0] = clock(), where[0], "context"
             try:
-                store_context(*args)
+                store_context(batch, taps, plan, *rest)
             finally:
                 where[0] = outer
             self.context_s += clock() - started
+            self.context_steps += 1
 
         for name in ("propose", "store_context", "settle"):
             setattr(dflash, name, timed_dflash(getattr(dflash, name)))
@@ -129,7 +133,7 @@ class ChoiceMeter:
 
     def reset(self) -> None:
         self.hybrid_s = self.dflash_s = self.lookup_s = self.context_s = self.context_dflash_s = 0.0
-        self.steps = 0
+        self.steps = self.context_steps = 0
         self.rows: dict[str, list[int]] = {}
 
 
@@ -164,6 +168,7 @@ def run_once(llm: LLM, prompts, params, clock, meter: ChoiceMeter | None) -> dic
     if meter is not None:
         run.update(hybrid_s=meter.hybrid_s, dflash_s=meter.dflash_s, lookup_s=meter.lookup_s,
                    context_s=meter.context_s, context_dflash_s=meter.context_dflash_s, steps=meter.steps,
+                   context_steps=meter.context_steps,
                    rows=[meter.rows.get(out.request_id, [0, 0]) for out in outputs])
     return run
 
@@ -220,8 +225,9 @@ def summarize(runs: dict[str, list[list[dict]]], mode: str) -> dict:
             row["dflash_us_per_step"] = 1e6 * sum(run["dflash_s"] for run in every) / max(1, steps)
             row["lookup_us_per_step"] = _us_per_step(every, "lookup_s", steps)
             row["deciding_us_per_step"] = row["choose_us_per_step"] - row["lookup_us_per_step"]
-            row["context_dflash_us_per_step"] = _us_per_step(every, "context_dflash_s", steps)
-            row["context_us_per_step"] = (_us_per_step(every, "context_s", steps)
+            context_steps = sum(run["context_steps"] for run in every)
+            row["context_dflash_us_per_step"] = _us_per_step(every, "context_dflash_s", context_steps)
+            row["context_us_per_step"] = (_us_per_step(every, "context_s", context_steps)
                                           - row["context_dflash_us_per_step"])
             row["steps_timed"] = steps
         out[method] = row

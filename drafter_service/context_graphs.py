@@ -18,8 +18,8 @@ proposer holds the context of lookup-only steps and hands over up to that many r
 covers past the largest batch. Eagerly each such store is the ~20 launches above, on a host that
 sets the pace wherever the model is small (the demo pair on a GPU stores every fourth lookup-only step
 of a batch of four at K 15). With this size captured the hybrid ran at 0.952 of ngram's tok/s, without
-it 0.912, on a noisy H100 (bench/results/proposers_graph_store_h100.md). Prefill chunks, and anything
-larger, run eagerly.
+it 0.912, on a noisy H100 (bench/results/proposers_graph_store_h100.md). A prefill chunk's rows pad up
+to a captured size like any others; more rows than the largest size run eagerly.
 
 `capture=False` runs the same padded store eagerly, which is how a CPU tests the padding.
 """

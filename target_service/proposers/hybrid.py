@@ -208,7 +208,7 @@ class HybridProposer(TokenProposer):
     def propose(self, num_seqs: int, num_draft: int, num_block_cols: int) -> None:
         seqs = self.staged[:num_seqs]
         self._learn(seqs)
-        if len(self._scores) > num_seqs:  # some sequence stopped drafting: forget its scores
+        if sum(seq.seq_id in self._scores for seq in seqs) < len(self._scores):  # some stopped drafting
             live = {seq.seq_id for seq in seqs}
             self._scores = {seq_id: score for seq_id, score in self._scores.items() if seq_id in live}
         matches = self.lookups.propose(seqs, num_draft)
