@@ -220,9 +220,8 @@ def summarize(runs: dict[str, list[list[dict]]], mode: str) -> dict:
             row["ngram_share"] = sum(n for n, _ in rows) / max(1, sum(t for _, t in rows))
             every = [run for rnd in timed for run in rnd]
             steps = sum(run["steps"] for run in every)
-            choosing = sum(run["hybrid_s"] - run["dflash_s"] for run in every)
-            row["choose_us_per_step"] = 1e6 * choosing / max(1, steps)
-            row["dflash_us_per_step"] = 1e6 * sum(run["dflash_s"] for run in every) / max(1, steps)
+            row["dflash_us_per_step"] = _us_per_step(every, "dflash_s", steps)
+            row["choose_us_per_step"] = _us_per_step(every, "hybrid_s", steps) - row["dflash_us_per_step"]
             row["lookup_us_per_step"] = _us_per_step(every, "lookup_s", steps)
             row["deciding_us_per_step"] = row["choose_us_per_step"] - row["lookup_us_per_step"]
             context_steps = sum(run["context_steps"] for run in every)
