@@ -134,16 +134,23 @@ class StepBuffers:
         positions, seq_indices, slots: N ints each, as lists or as integer tensors (on the buffers'
         device they are copied there without a trip through the host)."""
         count = taps.shape[0]
-        self.check_context_rows(count)
-        if taps.dim() != 2 or taps.shape[1] != self.layout.tap_width:
-            raise ValueError(f"taps must be [N, {self.layout.tap_width}], got {tuple(taps.shape)}")
         for name, values in (("positions", positions), ("seq_indices", seq_indices), ("slots", slots)):
             if len(values) != count:
                 raise ValueError(f"{name} has {len(values)} rows, taps has {count}")
-        self.taps[:count].copy_(taps)
+        self.stage_context_taps(taps)
         self._write(self.context_positions, positions)
         self._write(self.context_seq_indices, seq_indices)
         self._write(self.context_slots, slots)
+        return count
+
+    def stage_context_taps(self, taps: torch.Tensor) -> int:
+        """Write the context side's first N taps (taps [N, tap_width]) alone; returns N. The caller
+        writes the rows' positions, sequence indices and slots itself (a kernel that picks them)."""
+        count = taps.shape[0]
+        self.check_context_rows(count)
+        if taps.dim() != 2 or taps.shape[1] != self.layout.tap_width:
+            raise ValueError(f"taps must be [N, {self.layout.tap_width}], got {tuple(taps.shape)}")
+        self.taps[:count].copy_(taps)
         return count
 
     def stage_propose(self, bonus_tokens: list[int], start_positions: list[int], seq_indices: list[int],

@@ -7,11 +7,15 @@ for several steps at once, reads the drafter's context weights once instead of o
 CPU the store of a lookup-only step cost about 12% of it (the demo pair, one sequence), and the
 demo drafter stores 16 rows in 1.4 ms but 100 in 3.0 ms (2 threads), not 9.
 
-The taps are copied into a buffer of this object's own straight from the step's selection,
-without a trip through the step buffers (whose writes would first wait for the drafter): they are the
-forward's output, which the next step overwrites. The positions, sequence indices and pool slots are
-tensors the selection made for this step alone, so they are kept as they are and joined once, when
-the rows are staged into the step buffers to be stored (one copy a step where there were four). Only
+The taps are copied into a buffer of this object's own straight from the step's rows, without a
+trip through the step buffers (whose writes would first wait for the drafter): they are the
+forward's output, which the next step overwrites. What says which rows are kept is made for this
+step alone (on a GPU: the forward's token rows, positions and slots, and the accepted drafts, not
+picked yet; elsewhere the kept rows' positions, sequence indices and slots), so it is kept as it
+is. When the rows are staged into the step buffers to be stored, every held step's rows are picked
+at once, in one launch straight into the buffers (`context_rows.stage_context_rows`): a held step
+costs the host one copy of its taps, where picking its rows as it ran cost a table's copy to the
+device, three allocations and a kernel launch as well. Only
 the owner decides when (`HybridProposer`): before the drafter reads the context, before a sequence's
 pages are released (after that its slots may be another sequence's), and when the next step's rows
 would not fit. `owners` are the sequences whose rows are held, so a store that the drafter misses can
@@ -35,6 +39,7 @@ import torch
 from drafter_service.context_graphs import DEFERRED_STORE_ROWS
 from drafter_service.step_buffers import StepBuffers
 from target_service.engine.sequence import Sequence
+from target_service.runner.context_rows import ContextRows, KeptRows, RowSelection, stage_context_rows
 
 MAX_DEFERRED_ROWS = DEFERRED_STORE_ROWS  # 16 steps of one sequence at K 15; its store replays a graph
 MAX_DEFERRED_BYTES = 64 << 20  # of taps: 256 rows at Qwen3-8B's five taps of 4096 take 10 MB in bf16
@@ -47,40 +52,36 @@ class DeferredContext:
         most = min(capacity, MAX_DEFERRED_BYTES // row_bytes, buffers.layout.max_context_rows)
         self.capacity = max(1, most)
         self.taps = torch.empty((self.capacity, taps.shape[1]), dtype=taps.dtype, device=taps.device)
-        self._indexing: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # per hold
+        self._parts: list[KeptRows | RowSelection] = []  # per hold: its rows' indices
         self.count = 0
         self.owners: dict[int, Sequence] = {}  # seq_id -> the sequence, for every sequence with rows held
 
     def has_room(self, num_rows: int) -> bool:
         return self.count + num_rows <= self.capacity
 
-    def hold(self, taps: torch.Tensor, positions: torch.Tensor, seq_indices: torch.Tensor,
-             slots: torch.Tensor, owners: list[Sequence]) -> None:
-        """Hold context rows (taps [N, tap_width]; N positions, sequence indices and slots, tensors of
-        this step's selection that nothing else writes): the taps' queued device copy, the rest kept."""
-        num_rows = taps.shape[0]
+    def hold(self, context: ContextRows, owners: list[Sequence]) -> None:
+        """Hold a step's context rows (taps [N, tap_width], the forward's, and the N rows' indices,
+        made for this step alone): the taps' queued device copy, the rest kept as it is."""
+        num_rows = context.count
         if not self.has_room(num_rows):
             raise ValueError(f"{num_rows} more rows do not fit: {self.count} of {self.capacity} are held")
-        for name, values in (("positions", positions), ("seq_indices", seq_indices), ("slots", slots)):
-            if values.shape != (num_rows,):
-                raise ValueError(f"{name} must be [{num_rows}] like the taps, got {tuple(values.shape)}")
-        self.taps[self.count:self.count + num_rows].copy_(taps)
-        self._indexing.append((positions, seq_indices, slots))
+        if context.rows.num_rows != num_rows:
+            raise ValueError(f"the rows' indices cover {context.rows.num_rows} rows, taps has {num_rows}")
+        self.taps[self.count:self.count + num_rows].copy_(context.taps)
+        self._parts.append(context.rows)
         self.count += num_rows
         self.owners.update((seq.seq_id, seq) for seq in owners)
 
     def stage(self, buffers: StepBuffers) -> tuple[int, list[Sequence]]:
         """Put every held row back into the step buffers' context side and let go of them; returns
         their number and their owners."""
-        if not self._indexing:  # nothing was ever held: nothing to stage
+        if not self._parts:  # nothing was ever held: nothing to stage
             return 0, self.clear()
-        positions, seq_indices, slots = (torch.cat(parts) if len(parts) > 1 else parts[0]
-                                         for parts in zip(*self._indexing))
-        num_rows = buffers.stage_context(self.taps[:self.count], positions, seq_indices, slots)
+        num_rows = stage_context_rows(buffers, self.taps[:self.count], self._parts)
         return num_rows, self.clear()
 
     def clear(self) -> list[Sequence]:
         """Forget every held row (a restarted pool: their slots were the old pool's); returns the owners."""
         owners = list(self.owners.values())
-        self.count, self.owners, self._indexing = 0, {}, []
+        self.count, self.owners, self._parts = 0, {}, []
         return owners

@@ -165,9 +165,9 @@ class HybridProposer(TokenProposer):
         lookup_only, self._lookup_only_rows = self._lookup_only_rows == step_rows, None
         return (lookup_only or prefill_only) and self.deferred.has_room(num_rows)
 
-    def defer_context(self, taps, positions, seq_indices, slots, owners) -> None:
-        """Held straight from the step's selection: the step buffers are not written (nor waited for)."""
-        self.deferred.hold(taps, positions, seq_indices, slots, owners)
+    def defer_context(self, context, owners) -> None:
+        """Held straight from the step's rows: the step buffers are not written (nor waited for)."""
+        self.deferred.hold(context, owners)
 
     def store_context(self, num_rows: int) -> None:
         """Store the staged rows, and everything held, now."""

@@ -21,6 +21,7 @@ from abc import ABC, abstractmethod
 
 from drafter_service.step_buffers import StepBuffers
 from target_service.engine.sequence import Sequence
+from target_service.runner.context_rows import ContextRows
 
 DFLASH = "dflash"  # drafts from the DFlash drafter
 NGRAM = "ngram"  # drafts from prompt lookup
@@ -61,9 +62,9 @@ class TokenProposer(ABC):
         that keeps no context, or stores at once, says no."""
         return False
 
-    def defer_context(self, taps, positions, seq_indices, slots, owners: list[Sequence]) -> None:
-        """Hold this step's context rows (taps [N, tap_width]; N positions, sequence indices, slots on
-        the device) of the sequences `owners`, after `defers_context` said so."""
+    def defer_context(self, context: ContextRows, owners: list[Sequence]) -> None:
+        """Hold this step's context rows (on the device; on a GPU not picked yet) of the sequences
+        `owners`, after `defers_context` said so."""
         raise NotImplementedError(f"{type(self).__name__} stores its context at once")
 
     def before_release(self) -> None:  # noqa: B027 (a hook; a proposer without deferred work has none)

@@ -35,7 +35,7 @@ from target_service.engine.sequence import Sequence
 from target_service.engine.step_runner import StepTokens
 from target_service.proposers.token_proposer import DFLASH, TokenProposer
 from target_service.runner.constrained_step import ConstrainedStep, mask_executor
-from target_service.runner.context_rows import SeqTaps, context_rows
+from target_service.runner.context_rows import SeqTaps, context_rows, stage_context_rows
 from target_service.runner.cuda_graphs import GraphKey, TargetGraphs
 from target_service.runner.forward_batch import ForwardBatch, pack
 from target_service.runner.logprobs import StepLogprobs, gather_logprobs, plan_logprob_rows
@@ -255,13 +255,11 @@ class ModelRunner:
         context = context_rows(batch, seqs, accepted, taps)
         if isinstance(self.drafter, TokenProposer) and self.drafter.defers_context(
                 taps.shape[0], context.count, prefill_only=not plan.decodes):
-            self.drafter.defer_context(context.taps, context.positions, context.seq_indices, context.slots,
-                                       scheduled)
+            self.drafter.defer_context(context, scheduled)
             return
         try:
             self.drafter.settle()  # the last step's context may still be read from the buffers
-            self.drafter.store_context(self.step_buffers.stage_context(
-                context.taps, context.positions, context.seq_indices, context.slots))
+            self.drafter.store_context(stage_context_rows(self.step_buffers, context.taps, [context.rows]))
         except DrafterUnavailable as error:
             self._lose_context(scheduled, error)
 

@@ -15,10 +15,19 @@ import pytest
 import torch
 from engine_helpers import make_pair, random_prompts
 
+from drafter_service.step_buffers import StepBufferLayout, StepBuffers
 from kernels import PAD_SLOT
 from target_service.engine.sampling_params import SamplingParams
 from target_service.llm import LLM
-from target_service.runner.context_rows import SeqTaps, context_rows, select_context_rows
+from target_service.runner.context_rows import (
+    RowSelection,
+    SeqTaps,
+    context_rows,
+    per_seq_table,
+    pick_rows,
+    select_context_rows,
+    stage_context_rows,
+)
 from target_service.runner.forward_batch import SeqChunk, pack
 
 
@@ -130,36 +139,75 @@ def _random_step(rng: random.Random, device: str, tokens_per_block: int = 16):
 
 
 def test_the_selection_kernel_equals_the_torch_ops_on_random_steps():
-    """`kernels.context_rows` (the GPU's path; Triton's interpreter on a CPU) against the torch ops that
-    select the rows on a CPU, which the test above checks by hand."""
+    """`kernels.context_rows` (the GPU's path; Triton's interpreter on a CPU) against its torch reference,
+    which the test above checks by hand: one step, and several steps picked in one launch."""
     from kernels.context_rows import select_context_rows as select_with_kernel
-    from target_service.runner.context_rows import per_seq_table, select_context_rows_torch
+    from kernels.reference.context_rows import select_context_rows as select_with_torch
 
     rng, device = random.Random(), "cuda" if torch.cuda.is_available() else "cpu"
-    for _ in range(30):
-        batch, seqs, accepted = _random_step(rng, device)
-        expected = select_context_rows_torch(batch, seqs, accepted)
-        got = select_with_kernel(batch.tap_indices, batch.positions, batch.slot_mapping,
-                                 per_seq_table(seqs, batch.device), accepted)
+    for _ in range(20):
+        selections = [RowSelection.of(*_random_step(rng, device)) for _ in range(rng.randint(1, 3))]
+        table = per_seq_table(selections, device)
+        accepted = [s.accepted for s in selections if s.accepted is not None]
+        tap_indices, positions, slot_mapping = (torch.cat([getattr(s, name) for s in selections])
+                                                for name in ("tap_indices", "positions", "slot_mapping"))
+        inputs = (tap_indices, positions, slot_mapping, table, torch.cat(accepted) if accepted else None)
+        expected = select_with_torch(*inputs)
+        got = select_with_kernel(*inputs)
         for got_rows, expected_rows in zip(got, expected):
             assert got_rows.dtype == expected_rows.dtype
             assert torch.equal(got_rows, expected_rows)
 
 
+def test_steps_picked_together_equal_each_picked_alone_and_land_in_the_given_rows():
+    """`pick_rows` over several held steps (their token rows and accepted counts concatenated) gives
+    each step's own selection, in order; with `out`, in its first rows, the rest untouched."""
+    rng = random.Random()
+    for _ in range(20):
+        steps = [_random_step(rng, "cpu") for _ in range(rng.randint(2, 4))]
+        alone = [select_context_rows(*step) for step in steps]
+        out = tuple(torch.full((400,), -7, dtype=torch.int64) for _ in range(3))
+        together = pick_rows([RowSelection.of(*step) for step in steps], out=out)
+        num_rows = sum(rows.num_rows for rows in alone)
+        for field, got in enumerate(together):
+            assert torch.equal(got, torch.cat([rows[field] for rows in alone]))
+            assert torch.equal(out[field][:num_rows], got) and bool((out[field][num_rows:] == -7).all())
+
+
+def test_staging_puts_held_parts_in_order_whichever_form_they_take():
+    """`stage_context_rows`: unpicked parts (a GPU's), kept parts (a CPU's) or a mix stage the rows each
+    step alone would, in order; parts that disagree with the taps are refused."""
+    rng = random.Random()
+    buffers = StepBuffers.create(StepBufferLayout(max_num_seqs=4, max_blocks_per_seq=4, max_num_draft=7,
+                                                  max_context_rows=512, tap_width=3, tap_dtype="float32"),
+                                 "cpu", share=False)
+    steps = [_random_step(rng, "cpu") for _ in range(3)]
+    alone = [select_context_rows(*step) for step in steps]
+    taps = torch.randn(sum(rows.num_rows for rows in alone), 3)
+    for forms in (["picked"] * 3, ["unpicked"] * 3, ["unpicked", "picked", "unpicked"]):
+        parts = [rows if form == "picked" else RowSelection.of(*step)
+                 for form, rows, step in zip(forms, alone, steps)]
+        assert stage_context_rows(buffers, taps, parts) == taps.shape[0]
+        assert torch.equal(buffers.taps[:taps.shape[0]], taps)
+        for field, name in enumerate(("context_positions", "context_seq_indices", "context_slots")):
+            expected = torch.cat([rows[field] for rows in alone])
+            assert torch.equal(getattr(buffers, name)[:taps.shape[0]], expected)
+    with pytest.raises(ValueError, match="the parts hold"):
+        stage_context_rows(buffers, taps[1:], [RowSelection.of(*step) for step in steps])
+
+
 def test_the_host_path_keeps_exactly_the_rows_the_selection_does_not_skip():
     """`context_rows` off a GPU hands over only the kept rows (taps included, in order): the rows of
     the torch reference whose slot is not PAD_SLOT, on random steps."""
-    from target_service.runner.context_rows import select_context_rows_torch
-
     rng = random.Random()
     for _ in range(30):
         batch, seqs, accepted = _random_step(rng, "cpu")
         taps = torch.randn(batch.tap_indices.shape[0], 3)
-        positions, seq_indices, slots = select_context_rows_torch(batch, seqs, accepted)
+        positions, seq_indices, slots = select_context_rows(batch, seqs, accepted)
         kept = slots != PAD_SLOT
         got = context_rows(batch, seqs, accepted, taps)
         assert torch.equal(got.taps, taps[kept])
-        assert torch.equal(got.positions, positions[kept])
-        assert torch.equal(got.seq_indices, seq_indices[kept])
-        assert torch.equal(got.slots, slots[kept])
+        assert torch.equal(got.rows.positions, positions[kept])
+        assert torch.equal(got.rows.seq_indices, seq_indices[kept])
+        assert torch.equal(got.rows.slots, slots[kept])
         assert got.count == int(kept.sum())

@@ -16,6 +16,8 @@ from target_service.engine.sampling_params import SamplingParams
 from target_service.llm import LLM
 from target_service.proposers import hybrid
 from target_service.proposers.hybrid_choice import StepChoice
+from target_service.runner import model_runner
+from target_service.runner.context_rows import ContextRows, RowSelection
 
 SETTINGS = dict(kv_cache_memory="4MiB", tokens_per_block=16, max_num_seqs=8, max_model_len=160)
 GREEDY = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
@@ -183,15 +185,25 @@ def scripted_choice(cycle: int):
     return choose
 
 
-@pytest.mark.parametrize("kv_cache_memory", ["4MiB", "256KiB"])
+def unpicked_rows(batch, seqs, accepted, taps):
+    """`context_rows` in a GPU engine's form, on any device: every tap row, picked when staged."""
+    return ContextRows(taps, RowSelection.of(batch, seqs, accepted))
+
+
+@pytest.mark.parametrize(("kv_cache_memory", "rows_form"), [("4MiB", "kept"), ("256KiB", "kept"),
+                                                            ("4MiB", "unpicked")])
 def test_deferred_context_is_whole_when_dflash_reads_it_and_when_pages_go_back(tmp_path, monkeypatch,
-                                                                              kv_cache_memory):
+                                                                              kv_cache_memory, rows_form):
     """The context of lookup-only and prefill-only steps is held and stored later; DFlash must still
     read exactly a DFlash-only engine's context at every position both reach: after deferred steps
     (stored before it drafts), in a second round whose prompts continue the first round's outputs
     (their blocks are prefix hits whose context was held when the first round's sequences finished:
-    stored before their pages went back), and, in a pool too small for the batch, across preemption."""
+    stored before their pages went back), and, in a pool too small for the batch, across preemption.
+    Also with the rows in a GPU engine's form (every tap row, held unpicked and picked together when
+    stored), in both engines."""
     monkeypatch.setattr(hybrid, "choose_step", scripted_choice(int(torch.randint(3, 6, ()).item())))
+    if rows_form == "unpicked":
+        monkeypatch.setattr(model_runner, "context_rows", unpicked_rows)
     target, drafter = make_pair(tmp_path)
     settings = {**SETTINGS, "kv_cache_memory": kv_cache_memory}
     prompts = repeating_prompts(4, 160) + random_prompts(2, 160)
@@ -206,9 +218,10 @@ def test_deferred_context_is_whole_when_dflash_reads_it_and_when_pages_go_back(t
             proposer.dflash = recorder
             hold = proposer.deferred.hold
 
-            def counting(taps, positions, seq_indices, slots, owners, hold=hold):
-                held.append(taps.shape[0])
-                hold(taps, positions, seq_indices, slots, owners)
+            def counting(context, owners, hold=hold):
+                held.append(context.count)
+                assert isinstance(context.rows, RowSelection) == (rows_form == "unpicked")
+                hold(context, owners)
             proposer.deferred.hold = counting
             defers = proposer.defers_context
 
