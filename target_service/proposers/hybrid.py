@@ -82,7 +82,7 @@ FORGET = 0.95  # per step unobserved, what is left of a DFlash score's distance 
 LONG, SHORT = "long", "short"  # the kinds of lookup match that are scored
 
 
-@dataclass
+@dataclass(slots=True)
 class _Drafted:
     """What a sequence's last step was proposed: by whom, at which length, the lookup's tokens and
     the kind of its match (None: no match)."""
@@ -93,7 +93,7 @@ class _Drafted:
     match: str | None
 
 
-@dataclass
+@dataclass(slots=True)
 class _Scores:
     long: float | None = None  # the lookup's, from long matches
     short: float | None = None  # ... from short ones
@@ -108,6 +108,9 @@ class _Scores:
             self.long = observe(self.long, value, censored, weight)
         else:
             self.short = observe(self.short, value, censored, weight)
+
+
+_NO_SCORES = _Scores()  # what a sequence never scored reads (never written)
 
 
 def _moving(score: float | None, value: float, weight: float = RECENT) -> float:
@@ -213,7 +216,8 @@ class HybridProposer(TokenProposer):
             self._scores = {seq_id: score for seq_id, score in self._scores.items() if seq_id in live}
         matches = self.lookups.propose(seqs, num_draft)
         kinds = [self._kind(match) for match in matches]
-        outlooks = [self._outlook(seq, kind, num_draft) for seq, kind in zip(seqs, kinds)]
+        prior = _first_known(self.overall.dflash, num_draft)  # DFlash's, the same for every row
+        outlooks = [self._outlook(seq.seq_id, kind, num_draft, prior) for seq, kind in zip(seqs, kinds)]
         choice = self._choose(outlooks)
         self._ran_drafter = choice.run_drafter
         self._lookup_only_rows = None if choice.run_drafter else num_seqs * (num_draft + 1)
@@ -260,9 +264,9 @@ class HybridProposer(TokenProposer):
             return LONG
         return SHORT if match.ngram > 0 else None
 
-    def _outlook(self, seq, kind: str | None, num_draft: int) -> RowOutlook:
-        scores = self._scores.get(seq.seq_id) or _Scores()
-        dflash = _dflash_outlook(scores, _first_known(self.overall.dflash, num_draft))
+    def _outlook(self, seq_id: int, kind: str | None, num_draft: int, dflash_prior: float) -> RowOutlook:
+        scores = self._scores.get(seq_id) or _NO_SCORES
+        dflash = _dflash_outlook(scores, dflash_prior)
         if kind is None:
             return RowOutlook(dflash, None)
         optimism = num_draft if kind == LONG else None  # a short match untried counts as none
@@ -305,4 +309,7 @@ def _dflash_outlook(scores: _Scores, prior: float) -> float:
 
 
 def _first_known(*values: float | None) -> float | None:
-    return next((value for value in values if value is not None), None)
+    for value in values:
+        if value is not None:
+            return value
+    return None
