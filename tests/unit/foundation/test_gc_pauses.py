@@ -7,6 +7,8 @@ import gc
 
 from foundation.gc_pauses import GcPauses, freeze_startup_heap
 
+LISTS, SLACK = 10_000, 1_000
+
 
 def test_the_shared_watcher_times_a_real_collection():
     pauses = GcPauses.shared()
@@ -28,14 +30,16 @@ def test_the_start_up_heap_is_frozen_unless_switched_off(monkeypatch):
         monkeypatch.delenv("DFLASH_GC_FREEZE")
         frozen = freeze_startup_heap()
         assert frozen == gc.get_freeze_count() > 1000  # the interpreter's own modules at least
-        replaced = [[object()] for _ in range(1000)]  # start-up objects in cycles, frozen below
+        replaced = [[object()] for _ in range(LISTS)]  # start-up objects in cycles, frozen below
         for item in replaced:
             item.append(item)
         freeze_startup_heap()
-        assert gc.get_freeze_count() >= frozen + 1000  # the lists (a bare object() is not tracked)
+        # the lists (a bare object() is not tracked); the slack: objects frozen the first time that
+        # died since (the test machinery's) are collected by this freeze (one, in a CI run)
+        assert gc.get_freeze_count() >= frozen + LISTS - SLACK
         del replaced  # what a rebind replaces: garbage, but frozen
         assert gc.collect() == 0  # a frozen cycle is never collected ...
         again = freeze_startup_heap()  # ... until the next freeze thaws and collects it
-        assert again == gc.get_freeze_count() < frozen + 1000
+        assert again == gc.get_freeze_count() < frozen + LISTS - SLACK
     finally:
         gc.unfreeze()
