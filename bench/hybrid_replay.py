@@ -138,6 +138,8 @@ class Replayer:
         drafter = SimpleNamespace(block_size=num_draft + 1, propose=self._dflash_propose, settle=lambda: None,
                                   store_context=lambda num_rows: None)
         self.hybrid = HybridProposer(drafter, self.buffers) if method == "hybrid" else None
+        if self.hybrid is not None:  # the recorded drafter reads the recordings, not the buffers
+            self.hybrid.stage_propose_side = lambda num_seqs: 1
         self.lookups = NgramLookups(min_ngram=1, max_ngram=3)
         self._next_id = 0
         self.match_lengths: list[int] = []  # ngram: each row's match length in the last step

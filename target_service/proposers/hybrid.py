@@ -223,7 +223,7 @@ class HybridProposer(TokenProposer):
         self._lookup_only_rows = None if choice.run_drafter else num_seqs * (num_draft + 1)
         if choice.run_drafter:
             self._store_deferred()  # the drafter reads the whole context
-            self.dflash.propose(num_seqs, num_draft, num_block_cols)
+            self.dflash.propose(num_seqs, num_draft, self.stage_propose_side(num_seqs))
         lookup_rows = choice.lookup_rows  # ascending
         if len(lookup_rows) == num_seqs:
             self.sources = [NGRAM] * num_seqs

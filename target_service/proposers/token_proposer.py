@@ -2,7 +2,11 @@
 
 The DFlash drafter (`DraftControl`) drafts from the draft context in the pool and sees only what the
 step buffers carry; a lookup proposer reads the drafting sequences' tokens instead, so the runner
-hands it those (`stage_sequences`) before every `propose`. It meets the step the DFlash way in
+hands it those (`stage_sequences`) before every `propose`, and leaves the step buffers' propose side
+(bonus tokens, start positions, sequence indices, block tables: what the DFlash drafter reads) to
+it: the lookup never reads it, and the hybrid stages it only when the drafter runs
+(`stage_propose_side`). Four host-to-device copies a step were most of what a lookup step's host
+time spent beyond a plain decode step's on an H100. It meets the step the DFlash way in
 every other respect: it writes `draft_tokens[:num_seqs, :num_draft]` and the same verify accepts
 the longest prefix equal to the target's tokens, so whatever it proposes, the output is the
 target's (greedy bit-equal, sampling unchanged).
@@ -27,6 +31,13 @@ DFLASH = "dflash"  # drafts from the DFlash drafter
 NGRAM = "ngram"  # drafts from prompt lookup
 
 
+def stage_propose_side(buffers: StepBuffers, seqs: list[Sequence]) -> int:
+    """The DFlash drafter's inputs for `seqs` (bonus token, start position, sequence index, block table
+    of each) into the step buffers' propose side; returns the block-table columns used."""
+    return buffers.stage_propose([seq.bonus_token for seq in seqs], [seq.num_computed for seq in seqs],
+                                 [seq.seq_index for seq in seqs], [seq.block_table for seq in seqs])
+
+
 class TokenProposer(ABC):
     """Implements `DraftControl` (block_size, store_context, settle, propose) plus `stage_sequences`."""
 
@@ -46,6 +57,11 @@ class TokenProposer(ABC):
     def stage_sequences(self, seqs: list[Sequence]) -> None:
         """The sequences of the rows the next `propose` drafts, in the staged order."""
         self.staged = list(seqs)
+
+    def stage_propose_side(self, num_seqs: int) -> int:
+        """Write the first `num_seqs` staged sequences into the step buffers' propose side, for the DFlash
+        drafter; returns the block-table columns used."""
+        return stage_propose_side(self.step_buffers, self.staged[:num_seqs])
 
     @abstractmethod
     def store_context(self, num_rows: int) -> None: ...

@@ -33,7 +33,7 @@ from target_service.engine.draft_budget import DraftBudget
 from target_service.engine.scheduler_output import DecodeWork, SchedulerOutput
 from target_service.engine.sequence import Sequence
 from target_service.engine.step_runner import StepTokens
-from target_service.proposers.token_proposer import DFLASH, TokenProposer
+from target_service.proposers.token_proposer import DFLASH, TokenProposer, stage_propose_side
 from target_service.runner.constrained_step import ConstrainedStep, mask_executor
 from target_service.runner.context_rows import SeqTaps, context_rows, stage_context_rows
 from target_service.runner.cuda_graphs import GraphKey, TargetGraphs
@@ -216,11 +216,11 @@ class ModelRunner:
             return nothing
         num_verified = max(work.num_verified for work in drafting)
         seqs = [work.seq for work in drafting]
-        columns = self.step_buffers.stage_propose(
-            [seq.bonus_token for seq in seqs], [seq.num_computed for seq in seqs],
-            [seq.seq_index for seq in seqs], [seq.block_table for seq in seqs])
-        if isinstance(self.drafter, TokenProposer):
+        if isinstance(self.drafter, TokenProposer):  # it stages the propose side if it reads it
             self.drafter.stage_sequences(seqs)
+            columns = max(len(seq.block_table) for seq in seqs)
+        else:
+            columns = stage_propose_side(self.step_buffers, seqs)
         if not self._call_propose(len(seqs), num_verified, columns, plan.seqs):
             return nothing
         token_proposer = isinstance(self.drafter, TokenProposer)

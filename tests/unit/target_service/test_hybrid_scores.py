@@ -70,7 +70,9 @@ def _hybrid(num_draft: int):
                               store_context=lambda num_rows: None)
     buffers = SimpleNamespace(draft_tokens=torch.zeros(4, num_draft, dtype=torch.int64),
                               taps=torch.zeros(1, 8), layout=SimpleNamespace(max_context_rows=64))
-    return HybridProposer(drafter, buffers, min_ngram=1, max_ngram=3, min_match=2)
+    proposer = HybridProposer(drafter, buffers, min_ngram=1, max_ngram=3, min_match=2)
+    proposer.stage_propose_side = lambda num_seqs: 1  # the stand-in drafter reads no step buffers
+    return proposer
 
 
 def _step(proposer, seq: _Seq, num_draft: int) -> str:
