@@ -63,7 +63,9 @@ class ChoiceMeter:
     - `hybrid_s`: time inside the proposer's propose; `dflash_s`: inside its DFlash drafter's calls made
       from there (its propose, and the store of context deferred from lookup-only steps just before it);
     - `lookup_s`: inside the lookup's proposal and the write of its tokens, work the ngram proposer does
-      too; what is left of propose (hybrid - dflash - lookup) is deciding;
+      too; `staging_s`: staging the rows held from lookup-only steps into the step buffers before a
+      drafter run (on a GPU their rows are picked there); what is left of propose (hybrid - dflash -
+      lookup - staging) is deciding;
     - `context_s`: inside the runner's `_store_context` at steps that decode (the step's context rows
       selected, then held or stored; `context_steps` of them), less `context_dflash_s`, the drafter's
       stores made from there; a prefill-only step's are not counted; ngram keeps no context;
@@ -111,6 +113,16 @@ class ChoiceMeter:
                 rows[0] += source == NGRAM
                 rows[1] += 1
 
+        stage = proposer.deferred.stage
+
+        def timed_stage(buffers):
+            started = clock()
+            try:
+                return stage(buffers)
+            finally:
+                if where[0] == "propose":
+                    self.staging_s += clock() - started
+
         store_context = runner._store_context
 
         def timed_context(batch, taps, plan, *rest):
@@ -129,10 +141,12 @@ class ChoiceMeter:
         proposer.lookups.propose = timed_lookup(proposer.lookups.propose)
         proposer._write = timed_lookup(proposer._write)
         proposer.propose = timed
+        proposer.deferred.stage = timed_stage
         runner._store_context = timed_context
 
     def reset(self) -> None:
-        self.hybrid_s = self.dflash_s = self.lookup_s = self.context_s = self.context_dflash_s = 0.0
+        self.hybrid_s = self.dflash_s = self.lookup_s = self.staging_s = self.context_s = 0.0
+        self.context_dflash_s = 0.0
         self.steps = self.context_steps = 0
         self.rows: dict[str, list[int]] = {}
 
@@ -167,6 +181,7 @@ def run_once(llm: LLM, prompts, params, clock, meter: ChoiceMeter | None) -> dic
            "accepted": [out.spec_decode.num_accepted_tokens for out in outputs]}
     if meter is not None:
         run.update(hybrid_s=meter.hybrid_s, dflash_s=meter.dflash_s, lookup_s=meter.lookup_s,
+                   staging_s=meter.staging_s,
                    context_s=meter.context_s, context_dflash_s=meter.context_dflash_s, steps=meter.steps,
                    context_steps=meter.context_steps,
                    rows=[meter.rows.get(out.request_id, [0, 0]) for out in outputs])
@@ -223,7 +238,9 @@ def summarize(runs: dict[str, list[list[dict]]], mode: str) -> dict:
             row["dflash_us_per_step"] = _us_per_step(every, "dflash_s", steps)
             row["choose_us_per_step"] = _us_per_step(every, "hybrid_s", steps) - row["dflash_us_per_step"]
             row["lookup_us_per_step"] = _us_per_step(every, "lookup_s", steps)
-            row["deciding_us_per_step"] = row["choose_us_per_step"] - row["lookup_us_per_step"]
+            row["staging_us_per_step"] = _us_per_step(every, "staging_s", steps)
+            row["deciding_us_per_step"] = (row["choose_us_per_step"] - row["lookup_us_per_step"]
+                                           - row["staging_us_per_step"])
             context_steps = sum(run["context_steps"] for run in every)
             row["context_dflash_us_per_step"] = _us_per_step(every, "context_dflash_s", context_steps)
             row["context_us_per_step"] = (_us_per_step(every, "context_s", context_steps)

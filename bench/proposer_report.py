@@ -74,7 +74,9 @@ def _choosing_parts(hybrid: dict) -> str:
     """Where the hybrid's host time per step goes beyond the drafter's (records before the split lack it)."""
     if "deciding_us_per_step" not in hybrid:
         return ""
-    return (f": deciding {hybrid['deciding_us_per_step']:.0f} us, the lookup's proposal and its write "
+    staging = hybrid.get("staging_us_per_step")  # records before it counted it as deciding
+    held = "" if staging is None else f", the held rows staged before a drafter run {staging:.0f} us"
+    return (f": deciding {hybrid['deciding_us_per_step']:.0f} us{held}, the lookup's proposal and its write "
             f"{hybrid['lookup_us_per_step']:.0f} us (ngram's work too); the runner's context rows, held or "
             f"stored, {hybrid['context_us_per_step']:.0f} us beside the drafter's stores from there "
             f"{hybrid['context_dflash_us_per_step']:.0f} us")
