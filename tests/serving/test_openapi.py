@@ -214,7 +214,14 @@ def tools_disagree(body) -> bool:
 
 @pytest.mark.parametrize(("path", "model"), ROUTES.items())
 def test_a_body_the_schema_allows_is_one_the_model_accepts_and_the_other_way_round(document, path, model):
-    bodies = SchemaBodies(document)
+    """Against the model's own bounds: the served ones (an output length past the served context, an id
+    past its vocabulary) are the server's to refuse, after the model parsed the body, and
+    `test_the_served_model_s_limits_bound_token_ids_and_output_lengths` checks those (a draw of max_tokens
+    64 against a served bound of 63 broke this test in a clean-clone run)."""
+    own = json.loads(json.dumps(document))
+    schemas = own["components"]["schemas"]
+    schemas[model.__name__] = without_served_bounds(schemas[model.__name__], model)
+    bodies = SchemaBodies(own)
     ref = REF.format(model.__name__)
     validator = bodies.validator(ref)
 
