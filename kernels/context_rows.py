@@ -7,12 +7,13 @@ step is short (the demo pair: ~1.1 ms a step) their ~0.34 ms of host time a step
 a hybrid step spent beyond a lookup-only engine's (0.09 ms with this kernel, on an H100). Here each
 program takes one sequence's rows.
 
-Inputs are the per-sequence counts the host knows (`per_seq` [PER_SEQ_FIELDS, S], below) and the
-accepted drafts per decode on the device, so nothing waits for the GPU. Several steps' rows may be
-picked in one launch (the hybrid holds the rows of its lookup-only steps and stores them together):
-their tap and token rows are concatenated, and each sequence says where its step's token rows begin
-and which accepted count is its own. The rows may be written straight into the buffers that hand
-them over (`out`), so a step that stores at once makes no copies of them.
+Inputs are the per-sequence counts the host knows (`per_seq` [PER_SEQ_FIELDS, S], its fields as
+`kernels.reference.context_rows` names them) and the accepted drafts per decode on the device, so
+nothing waits for the GPU. Several steps' rows may be picked in one launch (the hybrid holds the rows
+of its lookup-only steps and stores them together): their tap and token rows are concatenated, and
+each sequence says where its step's token rows begin and which accepted count is its own. The rows
+may be written straight into the buffers that hand them over (`out`), so a step that stores at once
+makes no copies of them.
 
 The torch reference is `kernels.reference.context_rows`.
 """
@@ -23,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.reference.context_rows import PER_SEQ_FIELDS, check_selection
+from kernels.reference.context_rows import check_selection
 from kernels.reference.store import PAD_SLOT
 
 ROWS_PER_TILE = 64
@@ -90,5 +91,3 @@ def select_context_rows(tap_indices: torch.Tensor, positions: torch.Tensor, slot
             out_slots, num_seqs, PAD=PAD_SLOT, BLOCK=ROWS_PER_TILE, num_warps=1)
     return out_positions, out_seq_indices, out_slots
 
-
-__all__ = ["PER_SEQ_FIELDS", "select_context_rows"]

@@ -5,9 +5,9 @@ step buffers carry; a lookup proposer reads the drafting sequences' tokens inste
 hands it those (`stage_sequences`) before every `propose`, and leaves the step buffers' propose side
 (bonus tokens, start positions, sequence indices, block tables: what the DFlash drafter reads) to
 it: the lookup never reads it, and the hybrid stages it only when the drafter runs
-(`stage_propose_side`). Staging it (four host-to-device copies) took 0.23 ms of a 1.85 ms lookup
-step in a host profile on an H100 (the demo pair, prompts that repeat, batch 1, under cProfile).
-It meets the step the DFlash way in
+(`stage_propose_side`): four host-to-device copies a lookup step does not need (one cProfile run on
+an H100 put them at 0.23 ms of a 1.85 ms profiled step: bench/results/proposers_held_rows_h100.md;
+the step's speed-up is not measured). It meets the step the DFlash way in
 every other respect: it writes `draft_tokens[:num_seqs, :num_draft]` and the same verify accepts
 the longest prefix equal to the target's tokens, so whatever it proposes, the output is the
 target's (greedy bit-equal, sampling unchanged).
@@ -23,10 +23,13 @@ hands it the step's time.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
 
 from drafter_service.step_buffers import StepBuffers
 from target_service.engine.sequence import Sequence
-from target_service.runner.context_rows import ContextRows
+
+if TYPE_CHECKING:  # the runner's type, named in a signature only (the runner imports this module)
+    from target_service.runner.context_rows import ContextRows
 
 DFLASH = "dflash"  # drafts from the DFlash drafter
 NGRAM = "ngram"  # drafts from prompt lookup

@@ -179,8 +179,9 @@ def per_seq_table(selections: Sequence[RowSelection], device) -> torch.Tensor:
 
 def stage_context_rows(buffers: StepBuffers, taps: torch.Tensor,
                        parts: Sequence[KeptRows | RowSelection]) -> int:
-    """Write rows into the step buffers' context side (taps [N, tap_width], then the N rows of `parts`
-    in order); returns N. Unpicked rows are picked in one launch, straight into the buffers."""
+    """Write rows into the step buffers' context side (taps [N, tap_width], then the N rows of `parts`,
+    at least one part, in order); returns N. Unpicked rows are picked in one launch, straight into the
+    buffers."""
     num_rows = sum(part.num_rows for part in parts)
     if num_rows != taps.shape[0]:
         raise ValueError(f"the parts hold {num_rows} rows, taps has {taps.shape[0]}")
@@ -189,7 +190,5 @@ def stage_context_rows(buffers: StepBuffers, taps: torch.Tensor,
         pick_rows(parts, out=(buffers.context_positions, buffers.context_seq_indices, buffers.context_slots))
         return num_rows
     kept = [part if isinstance(part, KeptRows) else pick_rows([part]) for part in parts]
-    if not kept:
-        return buffers.stage_context(taps, [], [], [])
     joined = (torch.cat(values) if len(values) > 1 else values[0] for values in zip(*kept))
     return buffers.stage_context(taps, *joined)
