@@ -65,7 +65,7 @@ def _class_table(name: str, cls: dict, mode: str) -> list[str]:
               "Identical to plain greedy: "
               + ", ".join(f"{m} {rows[m]['lossless']}/{rows[m]['outputs']}" for m in METHODS)
               + f". Choosing: {hybrid['choose_us_per_step']:.0f} us per step beside the DFlash drafter's "
-              f"{hybrid['dflash_us_per_step']:.0f} us ({hybrid['steps_timed']} timed steps)"
+              f"{hybrid['dflash_us_per_step']:.0f} us ({hybrid['steps_timed']} metered steps)"
               + _choosing_parts(hybrid) + ".", ""]
     return lines
 

@@ -7,6 +7,8 @@ each request's rows at least its verified drafts, and its choosing cost was meas
 actually took, split into the lookup's part and deciding, beside the runner's context work.
 """
 
+import time
+
 import pytest
 import torch
 from engine_helpers import make_pair, random_prompts
@@ -89,3 +91,39 @@ def test_ngram_share_is_a_fraction_and_choosing_was_timed_over_real_steps(measur
             assert parts == pytest.approx(hybrid["choose_us_per_step"])
             assert hybrid["context_us_per_step"] > 0 and hybrid["context_dflash_us_per_step"] >= 0
     assert set(record["goals"]) == {f"{name}/{mode}" for name in record["classes"] for mode in MODES}
+
+
+def test_the_meter_wraps_the_hybrid_only_inside_its_block(tmp_path):
+    """The timed rounds run the hybrid as ngram and DFlash run, unwrapped: outside `attached` its
+    proposer and runner answer with their classes' own methods and a generate counts nothing; inside,
+    every step is counted."""
+    from bench.bench_proposers import ChoiceMeter, run_once
+
+    target, drafter = make_pair(tmp_path)
+    llm = LLM(str(target), str(drafter), speculative_method="hybrid", device="cpu", dtype="float32",
+              kv_cache_memory="16MiB", max_model_len=128)
+    try:
+        runner = llm.assembly.runner
+        proposer = runner.drafter
+        wrapped = [(proposer, "propose"), (proposer, "_write"), (proposer.dflash, "propose"),
+                   (proposer.dflash, "store_context"), (proposer.dflash, "settle"), (proposer.lookups, "propose"),
+                   (proposer.deferred, "stage"), (runner, "_store_context")]
+
+        def own_methods() -> list[bool]:  # whether each wrapped call is the class's method again
+            return [getattr(getattr(owner, name), "__func__", None) is getattr(type(owner), name)
+                    for owner, name in wrapped]
+
+        assert all(own_methods())
+        meter = ChoiceMeter(llm, time.perf_counter)
+        params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+        prompt = random_prompts(1, VOCAB, low=8, high=20)[0]
+        with meter.attached():
+            assert not any(own_methods())
+        assert all(own_methods())  # nothing of the meter left behind
+        unmetered = run_once(llm, [prompt], params, time.perf_counter, None)
+        assert meter.steps == 0 and "steps" not in unmetered
+        metered = run_once(llm, [prompt], params, time.perf_counter, meter)
+        assert metered["steps"] > 0 and metered["tokens"] == unmetered["tokens"]
+        assert all(own_methods())
+    finally:
+        llm.close()
