@@ -143,7 +143,8 @@ class ChoiceMeter:
                          for name in ("propose", "store_context", "settle")]
         self._wrapped += [(proposer.lookups, "propose", timed_lookup(proposer.lookups.propose)),
                           (proposer, "_write", timed_lookup(proposer._write)), (proposer, "propose", timed),
-                          (proposer.deferred, "stage", timed_stage), (runner, "_store_context", timed_context)]
+                          (proposer.deferred, "stage", timed_stage),
+                          (runner, "_store_context", timed_context)]
 
     @contextmanager
     def attached(self):
@@ -306,8 +307,9 @@ def measure(target: str, drafter: str, classes: dict[str, list[list[int]]], *, m
                 for method in turn:
                     probe = meter if method == "hybrid" and round_ == 0 else None
                     runs["batch"][method][-1].append(run_once(engines[method], prompts, params, clock, probe))
-            split = {"batch1": [run_once(engines["hybrid"], [prompt], params, clock, meter) for prompt in prompts],
-                     "batch": [run_once(engines["hybrid"], prompts, params, clock, meter)]}
+            hybrid = engines["hybrid"]
+            split = {"batch1": [run_once(hybrid, [prompt], params, clock, meter) for prompt in prompts],
+                     "batch": [run_once(hybrid, prompts, params, clock, meter)]}
             print(f"{name}: {len(prompts)} prompts, {time.perf_counter() - started:.0f} s", file=sys.stderr,
                   flush=True)
             record["classes"][name] = {"prompt_lens": [len(p) for p in prompts], "batch_size": len(prompts),

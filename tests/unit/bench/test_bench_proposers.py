@@ -106,8 +106,8 @@ def test_the_meter_wraps_the_hybrid_only_inside_its_block(tmp_path):
         runner = llm.assembly.runner
         proposer = runner.drafter
         wrapped = [(proposer, "propose"), (proposer, "_write"), (proposer.dflash, "propose"),
-                   (proposer.dflash, "store_context"), (proposer.dflash, "settle"), (proposer.lookups, "propose"),
-                   (proposer.deferred, "stage"), (runner, "_store_context")]
+                   (proposer.dflash, "store_context"), (proposer.dflash, "settle"),
+                   (proposer.lookups, "propose"), (proposer.deferred, "stage"), (runner, "_store_context")]
 
         def own_methods() -> list[bool]:  # whether each wrapped call is the class's method again
             return [getattr(getattr(owner, name), "__func__", None) is getattr(type(owner), name)
