@@ -14,7 +14,7 @@ stored from the verify's taps, so DFlash can take over at any step. A step that 
 or only prefilled, defers its store (`DeferredContext`): nothing reads the context until the drafter
 next runs, so the held rows are stored together just before that, before any sequence's pages are
 released (the engine's scheduler calls `before_release`), or when the next step's rows would not
-fit.
+fit (which are then held in their place).
 
 "Expected accepted" is learned from what each sequence emitted. After a step, a sequence's new
 tokens are the accepted drafts plus the target's next token, so:
@@ -161,12 +161,19 @@ class HybridProposer(TokenProposer):
 
     def defers_context(self, step_rows: int, num_rows: int, *, prefill_only: bool) -> bool:
         """The rows of a lookup-only step (its tap rows exactly its drafting rows) or of a step that
-        only prefilled are held, while they fit; a step that mixes the two, or whose rows did not all
-        draft, stores at once. A prompt's context held this way is stored with the rest, before the
-        drafter first reads it or its pages go back: for a sequence the lookup serves throughout, one
-        store instead of two."""
+        only prefilled are held; a step that mixes the two, or whose rows did not all draft, stores at
+        once, as do rows more than the hold's whole room. Where the held rows leave too little room,
+        they are stored now and this step's are held in their place: one store, where storing this
+        step's at once made two (its own, then the held rows', which `store_context` adds).
+        A prompt's context held this way is stored with the rest, before the drafter first reads it
+        or its pages go back: for a sequence the lookup serves throughout, one store instead of two.
+        Raises DrafterUnavailable when the held rows' store could not be made."""
         lookup_only, self._lookup_only_rows = self._lookup_only_rows == step_rows, None
-        return (lookup_only or prefill_only) and self.deferred.has_room(num_rows)
+        if not (lookup_only or prefill_only) or num_rows > self.deferred.capacity:
+            return False
+        if not self.deferred.has_room(num_rows):
+            self._store_deferred()
+        return True
 
     def defer_context(self, context, owners) -> None:
         """Held straight from the step's rows: the step buffers are not written (nor waited for)."""

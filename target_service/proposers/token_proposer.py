@@ -78,7 +78,8 @@ class TokenProposer(ABC):
 
     def defers_context(self, step_rows: int, num_rows: int, *, prefill_only: bool) -> bool:
         """Whether this step's num_rows context rows (of its step_rows tap rows; prefill_only: the step
-        decoded nothing) are held back (`defer_context`) instead of staged and stored now: a proposer
+        decoded nothing) are held back (`defer_context`) instead of staged and stored now (making
+        room may store rows held before: it raises DrafterUnavailable as a store does): a proposer
         that keeps no context, or stores at once, says no."""
         return False
 

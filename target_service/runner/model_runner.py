@@ -253,11 +253,11 @@ class ModelRunner:
         seqs = [SeqTaps(rows[seq.seq_id].taps.stop - rows[seq.seq_id].taps.start, position < num_decodes,
                         seq.has_context, seq.seq_index) for position, seq in enumerate(scheduled)]
         context = context_rows(batch, seqs, accepted, taps)
-        if isinstance(self.drafter, TokenProposer) and self.drafter.defers_context(
-                taps.shape[0], context.count, prefill_only=not plan.decodes):
-            self.drafter.defer_context(context, scheduled)
-            return
         try:
+            if isinstance(self.drafter, TokenProposer) and self.drafter.defers_context(
+                    taps.shape[0], context.count, prefill_only=not plan.decodes):
+                self.drafter.defer_context(context, scheduled)  # (it may have stored what it held)
+                return
             self.drafter.settle()  # the last step's context may still be read from the buffers
             self.drafter.store_context(stage_context_rows(self.step_buffers, context.taps, [context.rows]))
         except DrafterUnavailable as error:

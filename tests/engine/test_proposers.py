@@ -6,15 +6,19 @@ Bad settings are refused with one line naming the setting."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from engine_helpers import PositionRecorder, make_pair, random_prompts
 from near_ties import assert_equal_up_to_a_near_tie
 from ngram_reference import common_prefix, search_from_scratch
 
+from drafter_service.control import DrafterUnavailable
 from target_service.engine.sampling_params import SamplingParams
 from target_service.llm import LLM
 from target_service.proposers import hybrid
+from target_service.proposers.deferred_context import DeferredContext
 from target_service.proposers.hybrid_choice import StepChoice
 from target_service.runner import model_runner
 from target_service.runner.context_rows import ContextRows, RowSelection
@@ -190,24 +194,28 @@ def unpicked_rows(batch, seqs, accepted, taps):
     return ContextRows(taps, RowSelection.of(batch, seqs, accepted))
 
 
-@pytest.mark.parametrize(("kv_cache_memory", "rows_form"), [("4MiB", "kept"), ("256KiB", "kept"),
-                                                            ("4MiB", "unpicked")])
+@pytest.mark.parametrize(("kv_cache_memory", "rows_form", "room"), [
+    ("4MiB", "kept", None), ("256KiB", "kept", None), ("4MiB", "unpicked", None), ("4MiB", "kept", 48)])
 def test_deferred_context_is_whole_when_dflash_reads_it_and_when_pages_go_back(tmp_path, monkeypatch,
-                                                                              kv_cache_memory, rows_form):
+                                                                              kv_cache_memory, rows_form,
+                                                                              room):
     """The context of lookup-only and prefill-only steps is held and stored later; DFlash must still
     read exactly a DFlash-only engine's context at every position both reach: after deferred steps
     (stored before it drafts), in a second round whose prompts continue the first round's outputs
     (their blocks are prefix hits whose context was held when the first round's sequences finished:
     stored before their pages went back), and, in a pool too small for the batch, across preemption.
     Also with the rows in a GPU engine's form (every tap row, held unpicked and picked together when
-    stored), in both engines."""
+    stored), in both engines; and with room for few rows held, where a step whose rows do not fit
+    stores what is held and is held in its place."""
     monkeypatch.setattr(hybrid, "choose_step", scripted_choice(int(torch.randint(3, 6, ()).item())))
     if rows_form == "unpicked":
         monkeypatch.setattr(model_runner, "context_rows", unpicked_rows)
+    if room is not None:
+        monkeypatch.setattr(hybrid, "DeferredContext", functools.partial(DeferredContext, capacity=room))
     target, drafter = make_pair(tmp_path)
     settings = {**SETTINGS, "kv_cache_memory": kv_cache_memory}
     prompts = repeating_prompts(4, 160) + random_prompts(2, 160)
-    recorded, held, prefills_held = {}, [], []
+    recorded, held, prefills_held, held_in_place = {}, [], [], []
     for method in ("hybrid", "dflash"):
         llm = LLM(target, drafter, speculative_method=method, num_speculative_tokens=5, **settings)
         runner = llm.assembly.runner
@@ -225,9 +233,11 @@ def test_deferred_context_is_whole_when_dflash_reads_it_and_when_pages_go_back(t
             proposer.deferred.hold = counting
             defers = proposer.defers_context
 
-            def noting_prefills(step_rows, num_rows, *, prefill_only, defers=defers):
+            def noting_prefills(step_rows, num_rows, *, prefill_only, defers=defers, proposer=proposer):
+                had_room = proposer.deferred.has_room(num_rows)
                 deferred = defers(step_rows, num_rows, prefill_only=prefill_only)
                 prefills_held.append(prefill_only and deferred)
+                held_in_place.append(deferred and not had_room)
                 return deferred
             proposer.defers_context = noting_prefills
         else:
@@ -245,7 +255,10 @@ def test_deferred_context_is_whole_when_dflash_reads_it_and_when_pages_go_back(t
         recorded[method] = recorder.proposals
         assert (preempted > 0) == (kv_cache_memory == "256KiB"), preempted
     assert held, "no step's context was deferred: the test shows nothing"
-    assert any(prefills_held), "no prefill-only step's context was deferred"
+    if room is None:
+        assert any(prefills_held), "no prefill-only step's context was deferred"
+    else:  # (a prompt's rows are more than the room: stored at once)
+        assert any(held_in_place), "no step's rows were held in the place of rows stored to make room"
     common = recorded["hybrid"].keys() & recorded["dflash"].keys()
     continued_keys = {tuple(prompt) for prompt in continued}
     assert any(key[0] in continued_keys for key in common), "DFlash never drafted a continued prompt in both"
@@ -314,3 +327,37 @@ def test_bad_proposer_settings_are_refused_in_one_line(tmp_path, settings, messa
     with pytest.raises(ValueError, match=message) as caught:
         LLM(target, drafter if with_drafter else None, **settings, **SETTINGS)
     assert "\n" not in str(caught.value)
+
+
+def test_a_drafter_lost_while_held_rows_make_room_fails_no_request(tmp_path, monkeypatch):
+    """A step whose rows do not fit the hold stores the held rows first; when the drafter is gone
+    then, no request fails: their sequences go on without context (plainly, lossless) and the
+    outputs equal plain greedy decoding."""
+    monkeypatch.setattr(hybrid, "choose_step", scripted_choice(4))
+    monkeypatch.setattr(hybrid, "DeferredContext", functools.partial(DeferredContext, capacity=16))
+    target, drafter = make_pair(tmp_path)
+    prompts = repeating_prompts(4, 160) + random_prompts(2, 160)
+    llm = LLM(target, drafter, speculative_method="hybrid", num_speculative_tokens=5, **SETTINGS)
+    proposer, lost = llm.assembly.runner.drafter, []
+    store = proposer.dflash.store_context
+    making_room = [False]
+
+    def defers(step_rows, num_rows, *, prefill_only, defers=proposer.defers_context):
+        making_room[0] = not proposer.deferred.has_room(num_rows)
+        try:
+            return defers(step_rows, num_rows, prefill_only=prefill_only)
+        finally:
+            making_room[0] = False
+
+    def failing_store(num_rows):
+        if making_room[0] and not lost:  # the first store made to make room: the drafter is gone
+            lost.append(list(proposer.deferred.owners))
+            raise DrafterUnavailable("the drafter actor died")
+        store(num_rows)
+
+    proposer.defers_context, proposer.dflash.store_context = defers, failing_store
+    try:
+        assert outputs(llm, prompts) == plain(target, prompts)
+    finally:
+        llm.close()
+    assert lost, "no held rows' store was made to make room: the test shows nothing"
