@@ -171,14 +171,18 @@ class ChoiceMeter:
 
 
 def open_engines(target: str, drafter: str, *, num_speculative_tokens: int, batch: int, max_model_len: int,
-                 device: str, dtype: str) -> dict[str, LLM]:
+                 device: str, dtype: str, methods=("plain", "dflash", "ngram", "hybrid")) -> dict[str, LLM]:
     settings = dict(device=device, dtype=dtype, max_num_seqs=batch, max_model_len=max_model_len,
                     kv_cache_memory="256MiB" if device == "cpu" else "4GiB")
     spec = dict(num_speculative_tokens=num_speculative_tokens)
-    return {"plain": LLM(target, "none", **settings),
-            "dflash": LLM(target, drafter, speculative_method="dflash", **spec, **settings),
-            "ngram": LLM(target, None, speculative_method="ngram", **spec, **settings),
-            "hybrid": LLM(target, drafter, speculative_method="hybrid", **spec, **settings)}
+    engines = {}
+    for method in methods:
+        if method == "plain":
+            engines[method] = LLM(target, "none", **settings)
+        else:
+            engines[method] = LLM(target, None if method == "ngram" else drafter, speculative_method=method,
+                                  **spec, **settings)
+    return engines
 
 
 def _sync() -> None:
