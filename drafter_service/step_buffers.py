@@ -155,16 +155,28 @@ class StepBuffers:
 
     def stage_propose(self, bonus_tokens: list[int], start_positions: list[int], seq_indices: list[int],
                       block_tables: list[list[int]]) -> int:
-        """Write the propose side's first B rows; returns the block-table columns used."""
+        """Write the propose side's first B rows; returns the block-table columns used.
+
+        The four fields travel as one table [B, 3 + columns] in one host-to-device copy, then are
+        copied into place on the device: a host-to-device transfer costs the host a pinned staging
+        buffer as well as a copy's launch, so one transfer and four device-side copies cost it less
+        than four transfers (the step's saving is not measured on its own)."""
         count = len(bonus_tokens)
         self.check_propose(count, 1, 1)
         columns = max(len(table) for table in block_tables)
         self.check_propose(count, 1, columns)
-        self._write(self.bonus_tokens, bonus_tokens)
-        self._write(self.start_positions, start_positions)
-        self._write(self.seq_indices, seq_indices)
-        padded = [list(table) + [0] * (columns - len(table)) for table in block_tables]
-        self.block_table[:count, :columns].copy_(to_device(padded, torch.int32, self.block_table.device))
+        lengths = {len(start_positions), len(seq_indices), len(block_tables)}
+        if lengths != {count}:
+            raise ValueError(f"one bonus token, start position, sequence index and block table per row: "
+                             f"got {count}, {len(start_positions)}, {len(seq_indices)}, {len(block_tables)}")
+        rows = [[bonus, start, index, *table, *[0] * (columns - len(table))]
+                for bonus, start, index, table in zip(bonus_tokens, start_positions, seq_indices,
+                                                      block_tables)]
+        staged = to_device(rows, torch.int64, self.block_table.device)
+        self.bonus_tokens[:count].copy_(staged[:, 0])
+        self.start_positions[:count].copy_(staged[:, 1])
+        self.seq_indices[:count].copy_(staged[:, 2])
+        self.block_table[:count, :columns].copy_(staged[:, 3:])
         return columns
 
     def stage_propose_tensors(self, bonus_tokens: torch.Tensor, start_positions: torch.Tensor,

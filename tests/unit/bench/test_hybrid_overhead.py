@@ -16,7 +16,7 @@ SETTINGS = dict(device="cpu", dtype="float32", kv_cache_memory="16MiB", max_mode
 def test_the_pinned_hybrid_drafts_as_ngram_does_and_keeps_the_context(tmp_path):
     target, drafter = make_pair(tmp_path)
     phrase = torch.randint(3, 160, (4,)).tolist()
-    prompts = random_prompts(2, 160, low=8, high=20) + [phrase * 4]
+    prompts = [*random_prompts(2, 160, low=8, high=20), phrase * 4]
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     ngram = LLM(str(target), None, speculative_method="ngram", **SETTINGS)
     pinned = LLM(str(target), str(drafter), speculative_method="hybrid", **SETTINGS)

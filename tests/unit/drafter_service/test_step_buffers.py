@@ -78,4 +78,28 @@ def test_counts_past_the_buffers_are_refused_before_anything_is_written():
         buffers.stage_propose([1], [0], [0], [[1, 2, 3, 4, 5, 6]])
     with pytest.raises(ValueError, match=r"num_seqs must be in 1..3 .* got 4"):
         buffers.check_propose(4, 1, 1)
+    with pytest.raises(ValueError, match=r"block table per row: got 2, 2, 1, 2"):
+        buffers.stage_propose([1, 2], [0, 5], [0], [[1], [2]])
     assert torch.count_nonzero(buffers.taps) == 0 and torch.count_nonzero(buffers.block_table) == 0
+
+
+def test_staged_proposals_equal_the_rows_given_and_leave_the_rest_as_it_was():
+    """Random rows (block tables of random lengths) land in each field's first rows, tables zero-padded
+    to the longest; rows past them and columns past the longest keep what they held."""
+    buffers = StepBuffers.create(LAYOUT, "cpu", share=False)
+    for field in (buffers.bonus_tokens, buffers.start_positions, buffers.seq_indices, buffers.block_table):
+        field.fill_(-7)
+    count = int(torch.randint(1, LAYOUT.max_num_seqs + 1, ()).item())
+    lengths = torch.randint(1, LAYOUT.max_blocks_per_seq + 1, (count,)).tolist()
+    tables = [torch.randint(0, 1000, (n,)).tolist() for n in lengths]
+    bonus, starts = torch.randint(0, 50000, (count,)).tolist(), torch.randint(0, 4096, (count,)).tolist()
+    indices = torch.randperm(LAYOUT.max_num_seqs)[:count].tolist()
+    columns = buffers.stage_propose(bonus, starts, indices, tables)
+    assert columns == max(lengths)
+    assert buffers.bonus_tokens[:count].tolist() == bonus
+    assert buffers.start_positions[:count].tolist() == starts
+    assert buffers.seq_indices[:count].tolist() == indices
+    assert buffers.block_table[:count, :columns].tolist() == [t + [0] * (columns - len(t)) for t in tables]
+    assert bool((buffers.block_table[:count, columns:] == -7).all())
+    for field in (buffers.bonus_tokens, buffers.start_positions, buffers.seq_indices, buffers.block_table):
+        assert bool((field[count:] == -7).all())
