@@ -32,19 +32,12 @@ import torch
 
 from bench.bench_proposers import open_engines, run_once
 from bench.proposer_prompts import prompt_classes
+from dflash_cli.bench.proposer_modes import pin_to_lookup
 from target_service.assembly.demo import demo_drafter_path, demo_target_path
 from target_service.engine.sampling_params import SamplingParams
-from target_service.proposers.hybrid_choice import StepChoice
 
 RESULTS = Path(__file__).resolve().parent / "results"
 ENGINES = ("ngram", "lookup-only", "hybrid")
-
-
-def pin_to_lookup(llm) -> None:
-    """Make a hybrid engine verify the lookup's proposal on every row of every step, never running the
-    drafter (its context is still kept whole)."""
-    proposer = llm.assembly.runner.drafter
-    proposer._choose = lambda outlooks: StepChoice(False, tuple(range(len(outlooks))))
 
 
 def count_steps(llm) -> list[int]:

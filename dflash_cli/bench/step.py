@@ -2,7 +2,7 @@
 
     python -m dflash_cli.bench.step [--geometry qwen3-8b|tiny] [--batch-sizes 1 8 32 64]
         [--contexts 2048 8192 32768] [--steps 16] [--rounds 3] [--simulate-acceptance 6.5] [--no-hf]
-        [--no-async-scheduling]
+        [--no-async-scheduling] [--modes plain dflash ngram hybrid-lookup hybrid]
         [--kv-cache-memory 60GiB] [--limits-max-num-seqs 32 64 256] [--limits-kv-cache-memory 16GiB]
         [--name e2e_step_h200] [--out DIR (default: the current directory)]
     (the same as `dflash bench step ...`)
@@ -41,6 +41,7 @@ from pathlib import Path
 import torch
 
 from dflash_cli.bench.hf_step import hf_case
+from dflash_cli.bench.proposer_modes import TOKEN_MODES, pin_to_lookup, speculative_method, uses_drafter
 from dflash_cli.bench.random_pair import add_pair_arguments, device_name, random_pair_for
 from dflash_cli.bench.simulated_acceptance import CURVES, SimulatedAcceptance
 from dflash_cli.bench.step_limits import limit_configs, limits_sweep
@@ -67,8 +68,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 64])
     parser.add_argument("--contexts", type=int, nargs="+", default=[2048, 8192, 32768])
     parser.add_argument("--steps", type=int, default=16)
-    parser.add_argument("--modes", nargs="+", choices=("plain", "dflash"), default=["plain", "dflash"],
-                        help="which engines to time (a comparison of DFlash settings needs plain once)")
+    parser.add_argument("--modes", nargs="+", choices=("plain", "dflash", *TOKEN_MODES),
+                        default=["plain", "dflash"],
+                        help="which engines to time (a comparison of DFlash settings needs plain once; "
+                             "ngram, hybrid-lookup and hybrid: `dflash_cli.bench.proposer_modes`)")
     parser.add_argument("--rounds", type=int, default=3, help="timings from CUDA graphs per case")
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                         help="queue the next step before this one is read, as `dflash serve` does")
@@ -126,14 +129,25 @@ def main(argv: list[str] | None = None) -> None:
         "modes": args.modes,
         "plain": [],
         "dflash": [],
+        **{mode: [] for mode in TOKEN_MODES if mode in args.modes},
         "hf": [],
         "skipped": [],
     }
     out = Path(args.out)
+    block = load_drafter_config(str(drafter)).block_size
+
     def make_llm(mode: str, max_num_seqs: int, kv_cache_memory: str | None):
-        return LLM(
+        method = speculative_method(mode)
+        spec = {}
+        if method == "dflash":
+            spec = {"num_speculative_tokens": args.num_speculative_tokens,
+                    "adaptive_speculation": args.adaptive_speculation}
+        elif method is not None:  # a token proposer: the drafter's K unless asked, as DFlash's
+            spec = {"speculative_method": method,
+                    "num_speculative_tokens": args.num_speculative_tokens or block - 1}
+        llm = LLM(
             str(target),
-            str(drafter) if mode == "dflash" else "none",
+            str(drafter) if uses_drafter(mode) else ("none" if method is None else None),
             device=str(device),
             dtype=dtype,
             enable_prefix_caching=False,
@@ -145,11 +159,11 @@ def main(argv: list[str] | None = None) -> None:
             max_num_batched_tokens=8192,
             async_scheduling=args.async_scheduling,
             seed=args.seed,
-            **({"num_speculative_tokens": args.num_speculative_tokens,
-                "adaptive_speculation": args.adaptive_speculation} if mode == "dflash" else {}),
+            **spec,
         )
-
-    block = load_drafter_config(str(drafter)).block_size
+        if mode == "hybrid-lookup":
+            pin_to_lookup(llm)
+        return llm
 
     def acceptance() -> SimulatedAcceptance:
         # a curve's scale is set for the drafter's whole block, whatever K the engine verifies
@@ -160,6 +174,8 @@ def main(argv: list[str] | None = None) -> None:
         llm = make_llm(mode, max(args.batch_sizes), args.kv_cache_memory)
         engine = llm.engine
         k, vocab = engine.num_speculative_tokens, llm.assembly.runner.vocab_size
+        if mode in TOKEN_MODES:
+            result[f"{mode}_num_speculative_tokens"] = k
         if mode == "dflash":  # as the engine runs (adaptive is on by default on a GPU), not as asked
             result["num_speculative_tokens"] = k
             result["adaptive_speculation"] = llm.assembly.plan.adaptive_speculation

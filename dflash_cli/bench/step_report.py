@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from dflash_cli.bench.plotting import pyplot
+from dflash_cli.bench.proposer_modes import TOKEN_MODES
 
 # The issue's goals (H200, Qwen3-8B): ms per plain decode step and per DFlash step, by batch size.
 GOALS_MS = {"plain": {1: 6.0, 32: 14.0}, "dflash": {1: 6.5, 32: 20.0}}
@@ -74,6 +75,7 @@ def markdown(result: dict) -> str:
     lines += ["", "Each round's median from graphs, ms:", ""]
     lines += [_rounds_line(mode, case) for mode in ("plain", "dflash") for case in result[mode]
               if "round_medians" in case.get("graphs", {})]
+    lines += _token_mode_lines(result)
     lines += _limits_lines(result.get("limits", []))
     if result["skipped"]:
         lines += [
@@ -90,6 +92,38 @@ def markdown(result: dict) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def _token_mode_lines(result: dict) -> list[str]:
+    """The token proposers' steps (`dflash_cli.bench.proposer_modes`) beside ngram's and DFlash's, from
+    graphs (eagerly where none were captured)."""
+    modes = [mode for mode in TOKEN_MODES if result.get(mode)]
+    if not modes:
+        return []
+    by_mode = {mode: {(c["batch"], c["context"]): c for c in result.get(mode, [])}
+               for mode in ("dflash", *TOKEN_MODES)}
+
+    def timing(case: dict | None) -> dict:
+        case = case or {}
+        return case.get("graphs") or case.get("eager") or {}
+
+    def ratio(case: dict, mode: str) -> str:
+        mine = timing(case).get("tokens_per_s")
+        theirs = timing(by_mode[mode].get((case["batch"], case["context"]))).get("tokens_per_s")
+        return f"{mine / theirs:.3f}" if mine and theirs else "-"
+
+    lines = ["", "Token proposers (K as DFlash's unless asked; hybrid-lookup: the hybrid pinned to the "
+             "lookup, its context kept whole), from graphs, eagerly where none were captured:", "",
+             "| mode | B | context | ms per step | tok/s | acceptance | tok/s over ngram's | over DFlash's |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for mode in modes:
+        for case in result[mode]:
+            timed = timing(case)
+            lines.append(f"| {mode} | {case['batch']} | {case['context']} | {_ms(timed)} | "
+                         f"{timed.get('tokens_per_s', 0):.0f} | "
+                         f"{timed.get('mean_acceptance_length', 0):.2f} | "
+                         f"{ratio(case, 'ngram')} | {ratio(case, 'dflash')} |")
+    return lines
 
 
 def _limits_lines(rows: list[dict]) -> list[str]:

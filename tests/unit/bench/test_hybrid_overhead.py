@@ -5,7 +5,8 @@ drafter, and still stores the drafter's context; the step counter counts the run
 import torch
 from engine_helpers import make_pair, random_prompts
 
-from bench.hybrid_overhead import count_steps, pin_to_lookup
+from bench.hybrid_overhead import count_steps
+from dflash_cli.bench.proposer_modes import pin_to_lookup
 from target_service.engine.sampling_params import SamplingParams
 from target_service.llm import LLM
 

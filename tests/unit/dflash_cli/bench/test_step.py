@@ -11,6 +11,7 @@ import torch
 from dflash_cli.bench.random_pair import write_random_pair
 from dflash_cli.bench.simulated_acceptance import SimulatedAcceptance
 from dflash_cli.bench.step_timing import engine_case
+from foundation.checkpoint_config import load_drafter_config
 from target_service.llm import LLM
 
 pytestmark = pytest.mark.slow
@@ -52,3 +53,35 @@ def test_the_step_bench_times_only_the_engines_it_is_asked_for(tmp_path, modes):
     assert result["modes"] == modes
     for mode in ("plain", "dflash"):
         assert [case["batch"] for case in result[mode]] == ([batch] if mode in modes else [])
+
+
+def test_the_token_proposer_modes_time_their_own_engines_and_report_them_beside_ngram(tmp_path):
+    """ngram, the hybrid pinned to the lookup, and the free hybrid: each its own engine and cases, K as
+    DFlash's; ngram and the pinned hybrid verify K drafts a row every step, so they see the same
+    simulated draws (equal acceptance); the report's table gives each mode's tok/s over ngram's from the
+    same numbers. (That the pinned hybrid never runs the drafter: tests/unit/bench/test_hybrid_overhead.py.)
+    """
+    import json
+    import re
+
+    from dflash_cli.bench import step
+
+    batch = int(torch.randint(1, 3, ()))
+    modes = ["ngram", "hybrid-lookup", "hybrid"]
+    step.main(["--geometry", "tiny", "--device", "cpu", "--steps", "3", "--rounds", "1", "--batch-sizes",
+               str(batch), "--contexts", "64", "--no-hf", "--modes", *modes, "--out", str(tmp_path),
+               "--name", "tokens"])
+    result = json.loads((tmp_path / "tokens.json").read_text())
+    assert result["plain"] == [] and result["dflash"] == []
+    timed = {mode: result[mode][0]["eager"] for mode in modes}
+    assert all(result[mode][0]["batch"] == batch for mode in modes)
+    _, drafter = write_random_pair(tmp_path / "pair", "tiny", dtype="float32")
+    k = load_drafter_config(str(drafter)).block_size - 1  # K as DFlash's: the drafter's block - 1
+    assert all(result[f"{mode}_num_speculative_tokens"] == k for mode in modes)
+    assert timed["hybrid-lookup"]["mean_acceptance_length"] == timed["ngram"]["mean_acceptance_length"]
+    report = (tmp_path / "tokens.md").read_text()
+    for mode in modes:
+        row = re.search(rf"^\| {mode} \| {batch} \| 64 \| .*$", report, re.MULTILINE).group(0).split("|")
+        expected = timed[mode]["tokens_per_s"] / timed["ngram"]["tokens_per_s"]
+        assert float(row[7]) == pytest.approx(expected, abs=6e-4)
+        assert row[8].strip() == "-"  # no DFlash engine was timed
