@@ -195,7 +195,7 @@ def unpicked_rows(batch, seqs, accepted, taps):
 
 
 @pytest.mark.parametrize(("kv_cache_memory", "rows_form", "room"), [
-    ("4MiB", "kept", None), ("256KiB", "kept", None), ("4MiB", "unpicked", None), ("4MiB", "kept", 48)])
+    ("4MiB", "kept", None), ("256KiB", "kept", None), ("4MiB", "unpicked", None), ("4MiB", "kept", 40)])
 def test_deferred_context_is_whole_when_dflash_reads_it_and_when_pages_go_back(tmp_path, monkeypatch,
                                                                               kv_cache_memory, rows_form,
                                                                               room):
@@ -206,8 +206,11 @@ def test_deferred_context_is_whole_when_dflash_reads_it_and_when_pages_go_back(t
     stored before their pages went back), and, in a pool too small for the batch, across preemption.
     Also with the rows in a GPU engine's form (every tap row, held unpicked and picked together when
     stored), in both engines; and with room for few rows held, where a step whose rows do not fit
-    stores what is held and is held in its place."""
-    monkeypatch.setattr(hybrid, "choose_step", scripted_choice(int(torch.randint(3, 6, ()).item())))
+    stores what is held and is held in its place (7 lookup-only steps between drafter steps: six
+    sequences keep at least a row each a step, 42 or more, so the hold of 40 fills while no step's
+    rows, at most 6 x 6 = 36, are more than it holds)."""
+    cycle = 8 if room is not None else int(torch.randint(3, 6, ()).item())
+    monkeypatch.setattr(hybrid, "choose_step", scripted_choice(cycle))
     if rows_form == "unpicked":
         monkeypatch.setattr(model_runner, "context_rows", unpicked_rows)
     if room is not None:
@@ -332,9 +335,10 @@ def test_bad_proposer_settings_are_refused_in_one_line(tmp_path, settings, messa
 def test_a_drafter_lost_while_held_rows_make_room_fails_no_request(tmp_path, monkeypatch):
     """A step whose rows do not fit the hold stores the held rows first; when the drafter is gone
     then, no request fails: their sequences go on without context (plainly, lossless) and the
-    outputs equal plain greedy decoding."""
-    monkeypatch.setattr(hybrid, "choose_step", scripted_choice(4))
-    monkeypatch.setattr(hybrid, "DeferredContext", functools.partial(DeferredContext, capacity=16))
+    outputs equal plain greedy decoding. (The room, 40 rows, is filled by 7 lookup-only steps of six
+    sequences and holds any one step's, as in the deferred-context test above.)"""
+    monkeypatch.setattr(hybrid, "choose_step", scripted_choice(8))
+    monkeypatch.setattr(hybrid, "DeferredContext", functools.partial(DeferredContext, capacity=40))
     target, drafter = make_pair(tmp_path)
     prompts = repeating_prompts(4, 160) + random_prompts(2, 160)
     llm = LLM(target, drafter, speculative_method="hybrid", num_speculative_tokens=5, **SETTINGS)
