@@ -13,7 +13,7 @@ against DFlash's it shows that side of the choice.)
 from __future__ import annotations
 
 from target_service.proposers.hybrid import HybridProposer
-from target_service.proposers.hybrid_choice import StepChoice
+from target_service.proposers.hybrid_choice import explore
 
 TOKEN_MODES = ("ngram", "hybrid-lookup", "hybrid")
 
@@ -33,4 +33,4 @@ def pin_to_lookup(llm) -> None:
     proposer = llm.assembly.runner.drafter
     if not isinstance(proposer, HybridProposer):
         raise TypeError(f"not a hybrid engine: its proposer is {type(proposer).__name__}")
-    proposer._choose = lambda outlooks: StepChoice(False, tuple(range(len(outlooks))))
+    proposer._choose = lambda outlooks: explore(outlooks, run_drafter=False)  # every row on the lookup
